@@ -1,0 +1,17 @@
+"""Errors a user can act on: each message is one line naming the file or field at fault."""
+
+
+class EngramError(Exception):
+    """Base of every error engram-sglang raises on bad input."""
+
+
+class EngramConfigError(EngramError, ValueError):
+    """An invalid or inconsistent Engram configuration."""
+
+
+class TableFormatError(EngramError, ValueError):
+    """A table directory, layer file or checkpoint that does not match what it claims."""
+
+
+class TokenizerMismatchError(EngramConfigError):
+    """The tokenizer normalizes to a different compressed vocabulary than the config says."""
