@@ -5,55 +5,24 @@ from __future__ import annotations
 import os
 import random
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from engram_sglang import EngramConfig
-
-# Text for tokenizers: code from the standard library plus prose with accents, mixed
-# scripts and runs of whitespace, so that normalization and partial UTF-8 tokens occur.
-_PROSE = (
-    "Café naïve Ünïcödé façade — déjà vu!\tTabs\t\tand   spaces\n\nNew paragraph. "
-    "日本語のテキストと中文文本，还有 한국어 텍스트. Ελληνικά κείμενα. Русский текст.\r\n"
-    "ﬁ ligatures, ① circled, ＦＵＬＬＷＩＤＴＨ letters, e\u0301 combining accents. "
-)
-
-
-def training_text(limit_bytes: int = 400_000) -> list[str]:
-    stdlib = Path(os.__file__).parent
-    out, size = [_PROSE * 20], 0
-    for p in sorted(stdlib.glob("*.py")):
-        t = p.read_text(errors="replace")
-        out.append(t)
-        size += len(t)
-        if size > limit_bytes:
-            break
-    return out
-
+from engram_sglang import EngramConfig, demo
 
 def train_tokenizer(kind: str = "bytelevel", vocab_size: int = 1500):
     """A fast HF tokenizer trained here (no hub): 'bytelevel' BPE or 'whitespace' WordPiece."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<s>", "<pad>", "</s>", "<image>"]
     if kind == "bytelevel":
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=specials,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
-    else:
-        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
-    tok.train_from_iterator(training_text(), trainer=trainer)
+        return demo.train_tokenizer(demo.demo_corpus(), vocab_size)
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "<pad>", "</s>", "<image>"], show_progress=False)
+    tok.train_from_iterator(demo.demo_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
 
 
