@@ -126,6 +126,7 @@ class ModelFacts:
     weight_bytes: Optional[int]
     kv_bytes_per_token: Optional[float]
     kv_replicated: bool
+    kv_heads: Optional[int]  # KV heads of standard attention, split over TP; None: not known
     sources: dict[str, str]
 
 
@@ -184,8 +185,11 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
         sources["weight_bytes"] = sources.pop("non_engram_weight_gib")
     kv = fact("kv_bytes_per_token")
     replicated = bool(facts.get("kv_replicated_across_tp", False))
+    kv_heads = None
+    if replicated:
+        sources["kv_replicated_across_tp"] = facts.get("kv_replicated_source", f"configs/models/{mt}.json")
     if kv is None:
-        kv, replicated = _kv_from_attention_fields(raw, sources, cfg.source)
+        kv, kv_heads = _kv_from_attention_fields(raw, sources, cfg.source)
     return ModelFacts(
         name=str(facts.get("name") or mt or Path(cfg.source).stem),
         model_type=mt,
@@ -194,11 +198,12 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
         weight_bytes=int(round(weight_gib * GIB)) if weight_gib is not None else None,
         kv_bytes_per_token=float(kv) if kv is not None else None,
         kv_replicated=replicated,
+        kv_heads=kv_heads,
         sources=sources,
     )
 
 
-def _kv_from_attention_fields(raw: dict, sources: dict[str, str], where: str) -> tuple[Optional[float], bool]:
+def _kv_from_attention_fields(raw: dict, sources: dict[str, str], where: str) -> tuple[Optional[float], Optional[int]]:
     """KV bytes per token of standard (GQA) attention in bf16: 2 (K, V) x kv heads x head_dim x
     layers x 2 bytes. Returned for the whole model; `kv_per_rank` divides it over TP."""
     try:
@@ -207,13 +212,12 @@ def _kv_from_attention_fields(raw: dict, sources: dict[str, str], where: str) ->
         kv_heads = int(raw.get("num_key_value_heads", heads))
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None, False
+        return None, None
     sources["kv_bytes_per_token"] = (
         f"{where}: 2 x num_key_value_heads {kv_heads} x head_dim {head_dim} x "
         f"num_hidden_layers {layers} x 2 B (bf16 KV cache, standard attention)"
     )
-    sources["kv_heads"] = str(kv_heads)
-    return float(2 * kv_heads * head_dim * layers * 2), False
+    return float(2 * kv_heads * head_dim * layers * 2), kv_heads
 
 
 # --------------------------------------------------------------------------- the plan
@@ -309,8 +313,9 @@ class Planner:
         facts = load_facts(self.cfg)
         overrides = {}
         if inputs.kv_bytes_per_token is not None:
-            overrides["kv_bytes_per_token"] = float(inputs.kv_bytes_per_token)
-            facts.sources["kv_bytes_per_token"] = "--kv-bytes-per-token"
+            # The operator's figure is what one rank's pool spends per token: taken as is.
+            overrides.update(kv_bytes_per_token=float(inputs.kv_bytes_per_token), kv_replicated=True, kv_heads=None)
+            facts.sources["kv_bytes_per_token"] = "--kv-bytes-per-token (per rank)"
         if inputs.weights_gib is not None:
             overrides["weight_bytes"] = int(round(inputs.weights_gib * GIB))
             facts.sources["weight_bytes"] = "--weights-gib"
@@ -341,7 +346,7 @@ class Planner:
         kv = self.facts.kv_bytes_per_token
         if kv is None or self.facts.kv_replicated:
             return kv
-        kv_heads = int(self.facts.sources.get("kv_heads", "0") or 0)
+        kv_heads = self.facts.kv_heads
         if kv_heads:
             # GQA: each rank keeps kv_heads / TP heads, at least one (replicated below that).
             return kv * max(1, kv_heads // tp) / kv_heads
@@ -448,7 +453,7 @@ class Planner:
         else:
             out.append("non-Engram weight bytes unknown: pass --weights-gib to get KV room and the smallest TP")
         if f.kv_bytes_per_token is not None:
-            where = "replicated on every TP rank" if f.kv_replicated else "split over TP by KV head"
+            where = "per rank, whatever the TP" if f.kv_replicated else "split over TP by KV head"
             out.append(
                 f"KV cache {f.kv_bytes_per_token:g} B per token ({where}): {f.sources.get('kv_bytes_per_token', '?')}"
             )

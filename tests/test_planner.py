@@ -1,0 +1,211 @@
+"""The capacity planner: DeepSeek-V4.1-Flash's known figures, bad input, the CLI and --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from engram_sglang.planner import (
+    GIB,
+    PLACEMENTS,
+    PlannerError,
+    add_parser,
+    format_text,
+    lines_per_row,
+    load_gpus,
+    main,
+    plan,
+    shard_bytes,
+    valid_tps,
+)
+
+DSV41 = "deepseek-v4.1-flash"
+ROWS = (384006168, 384016682)
+SKUS = ("H100", "H200", "B200", "B300", "GB200", "MI300X", "MI355X")
+
+
+def test_deepseek_tables_total_and_per_rank_at_tp4():
+    p = plan(model=DSV41, gpu="H200", tp=4)
+    assert p["tables"]["total_bytes"] == sum(ROWS) * 264
+    assert p["tables"]["total_gib"] == 188.83
+    assert round(p["tables"]["per_rank_bytes"] / GIB, 1) == 47.2
+    text = format_text(p)
+    assert "188.83 GiB" in text and "47.21 GiB" in text
+
+
+@pytest.mark.parametrize("tp", valid_tps(64))
+def test_row_range_shards_cover_every_row_once(tp):
+    largest = shard_bytes(ROWS, tp, 264)
+    assert largest * tp >= sum(ROWS) * 264  # every row has an owner
+    assert largest <= (sum(ROWS) / tp + len(ROWS)) * 264  # and shards are even to one row
+
+
+def test_lines_per_row():
+    # 264-byte rows start at multiples of 8 within a line: every row touches exactly 5 lines.
+    assert lines_per_row(264) == 5
+    assert lines_per_row(256) == 4
+    assert lines_per_row(72) == 2
+
+
+def test_hbm_freed_and_kv_gained_are_the_shard():
+    p = plan(model=DSV41, gpu="MI355X", tp=2, placement="host")
+    shard = p["tables"]["per_rank_bytes"]
+    assert p["hbm_freed_bytes"] == shard
+    assert p["kv_tokens_gained"] == int(shard // 890)
+    h = p["hbm_per_gpu"]
+    assert h["host"]["free_for_kv_bytes"] - h["device"]["free_for_kv_bytes"] == shard
+    # A hot-row cache takes its HBM back out of what the placement frees.
+    q = plan(model=DSV41, gpu="MI355X", tp=2, placement="host", hot_cache_gib=4)
+    assert q["hbm_freed_bytes"] == shard - 4 * GIB
+
+
+@pytest.mark.parametrize("sku", SKUS)
+def test_smallest_tp_with_host_tables_never_larger(sku):
+    p = plan(model=DSV41, gpu=sku)
+    small = p["smallest_tp"]
+    assert small["host"] <= small["device"]
+    assert small["disk"] == small["host"]  # both keep the tables out of HBM
+    assert p["tp"] == small["host"]  # --tp omitted: the smallest that fits the placement
+    assert p["hbm_per_gpu"]["host"]["fits"] is True
+
+
+def test_host_dram_and_dev_shm():
+    p = plan(model=DSV41, gpu="H200", tp=4, placement="host", host_layout="shared")
+    d = p["host_dram_per_node"]
+    assert (d["ranks_per_node"], d["replicas_per_node"]) == (4, 2)
+    assert d["shared_bytes"] == p["tables"]["total_bytes"]
+    assert d["per_rank_bytes"] == 8 * p["tables"]["per_rank_bytes"]
+    assert p["dev_shm"]["needed_bytes"] == p["tables"]["total_bytes"]
+    assert p["dev_shm"]["docker_shm_size"] == "221g"  # 189 GiB of table + SGLang's own 32g
+    q = plan(model=DSV41, gpu="H200", tp=4, placement="host", host_layout="per_rank")
+    assert q["dev_shm"]["needed_bytes"] == 0
+    assert q["host_link"]["decode_step_bytes"] * 4 == pytest.approx(p["host_link"]["decode_step_bytes"], abs=4)
+
+
+def test_host_dram_warning():
+    p = plan(model=DSV41, gpu="H200", tp=4, placement="host", host_dram_gib=128)
+    assert any("more than the 128 GiB given" in w for w in p["warnings"])
+
+
+def one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_unknown_sku_is_one_clear_line():
+    with pytest.raises(PlannerError) as e:
+        plan(model=DSV41, gpu="A100")
+    msg = one_line(e.value)
+    assert "unknown GPU SKU 'A100'" in msg and "MI355X" in msg
+
+
+@pytest.mark.parametrize("tp, want", [
+    (3, "--tp 3 does not divide DeepSeek-V4.1-Flash's 64 attention heads; valid TP sizes: 1, 2, 4, 8, 16, 32, 64"),
+    (128, "--tp 128 does not divide"),
+    (0, "--tp must be a whole number >= 1"),
+])
+def test_bad_tp_is_one_clear_line(tp, want):
+    with pytest.raises(PlannerError) as e:
+        plan(model=DSV41, gpu="H200", tp=tp)
+    assert want in one_line(e.value)
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    (dict(placement="ssd"), "--placement must be one of device, host, disk"),
+    (dict(host_layout="numa"), "--host-layout must be one of shared, per_rank"),
+    (dict(hot_cache_gib=-1), "--hot-cache-gib must be a number >= 0"),
+    (dict(kv_bytes_per_token=0), "--kv-bytes-per-token must be > 0"),
+    (dict(model="no-such-model"), "unknown preset 'no-such-model'"),
+])
+def test_other_bad_input_is_one_clear_line(kwargs, want):
+    with pytest.raises(Exception) as e:
+        plan(**{"model": DSV41, "gpu": "H200", **kwargs})
+    assert want in one_line(e.value)
+
+
+def test_cli_error_exit_code_and_one_stderr_line(capsys):
+    assert main(["--model", DSV41, "--gpu", "h300"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("engram-sglang plan: error: unknown GPU SKU 'h300'")
+
+
+def test_cli_json_round_trip():
+    """The module entry point in a fresh process prints JSON that equals plan()'s dict."""
+    out = subprocess.run(
+        [sys.executable, "-m", "engram_sglang.planner", "--model", DSV41, "--gpu", "b300",
+         "--tp", "2", "--placement", "host", "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout
+    got = json.loads(out)
+    want = json.loads(json.dumps(plan(model=DSV41, gpu="B300", tp=2, placement="host")))
+    assert got == want
+    assert got["smallest_tp"] == {"device": 2, "host": 2, "disk": 2}
+
+
+def test_add_parser_wires_into_a_cli(capsys):
+    """What engram_sglang/cli.py does with it: `engram-sglang plan ...`."""
+    parser = argparse.ArgumentParser(prog="engram-sglang")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["plan", "--model", DSV41, "--gpu", "MI300X", "--json"])
+    assert args.func(args) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["tp"], p["placement"], p["gpu"]["arch"]) == (2, "host", "gfx942")
+    args = parser.parse_args(["plan", "--model", DSV41, "--gpu", "MI300X", "--placement", "device"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"smallest TP that fits\s+4\s+2\s+2", text)
+
+
+def test_generic_config_without_facts_file(tmp_path):
+    """A model dir whose config.json has standard attention fields: KV bytes and heads come
+    from it; weights come from --weights-gib."""
+    cfg = {
+        "model_type": "qwen3_engram_test",
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_size": 2048, "max_position_embeddings": 32768,
+        "engram_layer_ids": [1, 5], "engram_max_ngram_size": 3, "engram_n_heads": 4,
+        "engram_head_dim": 256, "engram_vocab_size": 100000, "engram_compressed_vocab_size": 5000,
+        "engram_pad_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = plan(model=str(tmp_path), gpu="H100", tp=2, placement="device", weights_gib=8)
+    m = p["model"]
+    assert m["kv_bytes_per_token"] == 2 * 8 * 128 * 28 * 2 and not m["kv_replicated_across_tp"]
+    assert m["attention_heads"] == 16 and m["context_length"] == 32768
+    h = p["hbm_per_gpu"]["device"]
+    assert h["kv_tokens"] == int(h["free_for_kv_bytes"] // (m["kv_bytes_per_token"] / 2))
+    assert p["tables"]["total_bytes"] == sum(m["rows_per_layer"]) * 264
+    with pytest.raises(PlannerError, match="does not divide .* 16 attention heads"):
+        plan(model=str(tmp_path), gpu="H100", tp=3)
+    # Without the weight size the planner cannot pick a TP, and says which flag it needs.
+    with pytest.raises(PlannerError, match="pass --tp"):
+        plan(model=str(tmp_path), gpu="H100")
+
+
+def test_gpus_file():
+    gpus = load_gpus()
+    assert set(g.key for g in gpus.values()) == set(SKUS)
+    labels = [g.runner_label for g in gpus.values()]
+    assert len(set(labels)) == len(labels)
+    for g in gpus.values():
+        assert 64 * GIB < g.hbm_bytes < 512 * GIB, g
+        assert g.host_link_gbps > 0 and g.gpus_per_node in (4, 8)
+        if g.vendor == "nvidia":
+            assert re.fullmatch(r"sm_\d{2,3}", g.arch), g
+        else:
+            assert g.vendor == "amd" and g.arch in ("gfx942", "gfx950"), g
+    assert {p for p in PLACEMENTS} == {"device", "host", "disk"}
+
+
+def test_kv_override_is_per_rank():
+    p = plan(model=DSV41, gpu="H200", tp=4, kv_bytes_per_token=27000)
+    h = p["hbm_per_gpu"]["host"]
+    assert h["kv_tokens"] == int(h["free_for_kv_bytes"] // 27000)
+    assert p["model"]["sources"]["kv_bytes_per_token"] == "--kv-bytes-per-token (per rank)"
