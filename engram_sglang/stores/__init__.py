@@ -1,0 +1,75 @@
+"""Table placements behind one TableStore: `open_store(table_dir, placement, ...)`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from ..config import EngramConfig
+from ..errors import EngramError
+from ..tablefile import open_tables
+from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range
+from .placements import DeviceStore, DiskStore, HostStore
+
+logger = logging.getLogger(__name__)
+
+_CLASSES = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}
+_OPTIONS = {
+    "device": set(),
+    "host": {"shared", "shm_dir", "huge_pages"},
+    "disk": {"threads", "direct", "retries"},
+}
+
+
+def open_store(
+    table_dir: str | os.PathLike,
+    placement: str,
+    device: str | torch.device = "cpu",
+    *,
+    cfg: Optional[EngramConfig] = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    backend: str = "auto",
+    **options,
+) -> dict[int, TableStore]:
+    """Open every layer of a table directory in one placement: layer id -> TableStore.
+
+    Parameters
+    ----------
+    placement : "device" (device memory), "host" (host memory read over UVA) or "disk".
+    cfg : when given, the tables must have been built for it.
+    tp_rank, tp_size : this rank holds rows `shard_range(rows, tp_rank, tp_size)` of each
+        layer; other ids read as +0.0 rows, so a sum over ranks reassembles them exactly.
+    backend : gather backend ("auto" lets the device probe choose).
+    options : placement options: host `shared`, `shm_dir`, `huge_pages`; disk `threads`,
+        `direct`, `retries`.
+
+    A placement that cannot be honoured raises; it never falls back to another tier.
+    """
+    if placement not in _CLASSES:
+        raise EngramError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+    unknown = set(options) - _OPTIONS[placement]
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIONS[placement])) or "none"
+        raise EngramError(f"placement {placement} has no option(s) {', '.join(sorted(unknown))} (options: {allowed})")
+    tables = open_tables(table_dir, cfg)
+    if placement == "host":
+        options.setdefault("fingerprint", tables.fingerprint)
+    stores: dict[int, TableStore] = {}
+    try:
+        for layer_id, info in sorted(tables.layers.items()):
+            row_range = shard_range(info.rows, tp_rank, tp_size)
+            store = _CLASSES[placement](layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
+            stores[layer_id] = store
+            logger.info("%s", store.describe())
+    except BaseException:
+        for store in stores.values():
+            store.close()
+        raise
+    return stores
+
+
+__all__ = ["PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]

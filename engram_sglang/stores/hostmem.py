@@ -1,0 +1,231 @@
+"""Host memory for tables: anonymous or /dev/shm mappings, huge pages, GPU registration.
+
+Never `pin_memory()`: PyTorch's pinned allocator rounds a 20.4 GiB table up to 32 GiB.
+The table is mapped (anonymous for a private copy, a 0600 file in /dev/shm for one copy per
+node), advised into transparent huge pages before it is filled (a row gather pays a TLB miss
+per row on 4 KiB pages), and registered with the GPU runtime so kernels read it over UVA.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import EngramError
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)  # Linux 6.1+; Python 3.11 lacks the name
+_FILL_CHUNK = 64 << 20
+
+
+@dataclass
+class HugePageReport:
+    mapped_kib: int
+    huge_kib: int
+    thp_mode: str  # the active transparent_hugepage (or shmem_enabled) setting
+
+    @property
+    def coverage(self) -> float:
+        return self.huge_kib / self.mapped_kib if self.mapped_kib else 0.0
+
+
+def thp_mode(knob: str = "enabled") -> str:
+    """Active mode of /sys/kernel/mm/transparent_hugepage/{knob} ("" if unreadable)."""
+    try:
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{knob}").read_text()
+    except OSError:
+        return ""
+    m = re.search(r"\[(\w+)\]", text)
+    return m.group(1) if m else ""
+
+
+def huge_page_report(address: int, shmem: bool) -> HugePageReport:
+    """Resident and huge-page-backed KiB of the mapping holding `address`, from smaps:
+    the only evidence that the kernel really handed out huge pages."""
+    mapped = huge = 0
+    inside = False
+    keys = ("ShmemPmdMapped", "FilePmdMapped") if shmem else ("AnonHugePages",)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                if inside:
+                    break
+                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+            elif inside:
+                key, _, rest = line.partition(":")
+                if key == "Rss":
+                    mapped = int(rest.split()[0])
+                elif key in keys:
+                    huge += int(rest.split()[0])
+    return HugePageReport(mapped, huge, thp_mode("shmem_enabled" if shmem else "enabled"))
+
+
+class HostTable:
+    """`nbytes` of host memory holding rows, filled from a layer file.
+
+    Parameters
+    ----------
+    shm_path : map this /dev/shm file (one copy per node; created 0600 by the first rank,
+        which fills it while the others wait) instead of anonymous memory.
+    """
+
+    def __init__(self, nbytes: int, *, source: Path, source_offset: int, shm_path: Optional[Path] = None, huge_pages: bool = True):
+        self.nbytes = nbytes
+        self.shm_path = shm_path
+        self.huge_pages = huge_pages
+        if shm_path is None:
+            self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._advise_huge()
+            _fill(self.map, source, source_offset, nbytes)
+            self._collapse()
+        else:
+            self.map = _map_shared(shm_path, nbytes, source, source_offset, self._advise_huge_on)
+        self.address = _address_of(self.map)
+        self.registered = False
+
+    def _advise_huge(self) -> None:
+        self._advise_huge_on(self.map)
+
+    def _advise_huge_on(self, m: mmap.mmap) -> None:
+        if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # THP disabled or unsupported: the report below says so
+
+    def _collapse(self) -> None:
+        if not self.huge_pages:
+            return
+        try:
+            self.map.madvise(MADV_COLLAPSE)
+        except OSError:
+            pass  # kernel < 6.1 or no free huge pages; khugepaged may still collapse later
+
+    def huge_pages_report(self) -> HugePageReport:
+        return huge_page_report(self.address, shmem=self.shm_path is not None)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a tensor view still holds it; freed with the last view
+
+
+def _address_of(m: mmap.mmap) -> int:
+    import numpy as np
+
+    return np.frombuffer(m, dtype=np.uint8).ctypes.data
+
+
+def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int) -> None:
+    """Copy nbytes of `source` from `offset` into the mapping, dropping the file's page cache
+    behind us (the table would otherwise sit in RAM twice)."""
+    view = memoryview(dst)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done : min(nbytes, done + _FILL_CHUNK)]], offset + done)
+            if n <= 0:
+                raise EngramError(f"{source}: ended after {offset + done} bytes while loading rows into host memory (truncated?)")
+            os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
+            done += n
+    finally:
+        os.close(fd)
+        view.release()
+
+
+def _map_shared(path: Path, nbytes: int, source: Path, offset: int, advise) -> mmap.mmap:
+    """Map the node's shared copy, creating and filling it under a lock if it is missing."""
+    lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        _check_owner(lock_fd, Path(str(path) + ".lock"))
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the first rank fills; the others wait here
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None:
+            try:
+                _check_owner(fd, path)
+                size = os.fstat(fd).st_size
+                if size != nbytes:
+                    raise EngramError(f"{path}: shared table has {size} bytes, {nbytes} expected; remove the stale file")
+                m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                advise(m)
+                return m
+            finally:
+                os.close(fd)
+        tmp = Path(f"{path}.tmp.{os.getpid()}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
+                raise
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            advise(m)
+            _fill(m, source, offset, nbytes)
+            os.rename(tmp, path)  # complete: only now can another rank find it
+            return m
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.close(lock_fd)
+
+
+def _check_owner(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise EngramError(f"{path}: owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); refusing to map it")
+    if st.st_mode & 0o077:
+        raise EngramError(f"{path}: mode {oct(st.st_mode & 0o777)} lets other users read or write it; refusing to map it (want 0600)")
+
+
+def shm_free_bytes(shm_dir: Path) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+# ------------------------------------------------------------- GPU registration
+def register_with_gpu(address: int, nbytes: int, cudart=None) -> None:
+    """Page-lock host memory and map it for the GPU (cudaHostRegister / hipHostRegister
+    through torch's runtime binding). A failure names the size and the locked-memory limit."""
+    import torch
+
+    cudart = cudart or torch.cuda.cudart()
+    # 0x2 = cudaHostRegisterMapped (hipHostRegisterMapped): device-addressable over UVA.
+    err = cudart.cudaHostRegister(address, nbytes, 0x2)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
+        raise EngramError(
+            f"registering {nbytes / 2**30:.2f} GiB of host table memory with the GPU failed (error {code}); "
+            f"the locked-memory limit (ulimit -l) is {limit}: raise it (docker run --ulimit memlock=-1) "
+            f"or choose placement device or disk"
+        )
+
+
+def unregister_from_gpu(address: int, cudart=None) -> None:
+    import torch
+
+    cudart = cudart or torch.cuda.cudart()
+    cudart.cudaHostUnregister(address)

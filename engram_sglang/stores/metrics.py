@@ -1,0 +1,53 @@
+"""Prometheus metrics of the table stores (served by SGLang's /metrics when it is enabled).
+
+prometheus_client's default registry is the one SGLang exports, so these appear next to
+SGLang's own metrics without extra wiring.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from ..rowformat import ROW_BYTES
+
+
+class _StoreMetrics:
+    def __init__(self):
+        labels = ("layer", "placement")
+        self.rows = Counter("engram_rows_served", "Rows returned to the model", labels)
+        self.bytes = Counter("engram_bytes_served", "Packed bytes of the rows returned", labels)
+        self.unique = Counter("engram_unique_rows_read", "Distinct rows read by deduplicating placements", labels)
+        self.read_seconds = Histogram(
+            "engram_read_seconds", "Time to read one call's rows from the lower tier", labels,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0),
+        )
+        self.read_errors = Counter("engram_read_errors", "Calls that failed after retries", labels)
+        self.resident = Gauge("engram_resident_bytes", "Table bytes held in memory", labels)
+        self.huge = Gauge("engram_huge_page_coverage", "Share of host table memory on huge pages", labels)
+        self.registered = Gauge("engram_registered_bytes", "Host table bytes registered with the GPU", labels)
+
+    @staticmethod
+    def _labels(store) -> dict:
+        return {"layer": str(store.layer_id), "placement": store.placement}
+
+    def served(self, store, n: int, unique: int | None = None) -> None:
+        lab = self._labels(store)
+        self.rows.labels(**lab).inc(n)
+        self.bytes.labels(**lab).inc(n * ROW_BYTES)
+        if unique is not None:
+            self.unique.labels(**lab).inc(unique)
+
+    def read(self, store, unique: int, seconds: float) -> None:
+        self.read_seconds.labels(**self._labels(store)).observe(seconds)
+
+    def error(self, store) -> None:
+        self.read_errors.labels(**self._labels(store)).inc()
+
+    def host_facts(self, store) -> None:
+        lab = self._labels(store)
+        self.resident.labels(**lab).set(store.resident_bytes)
+        self.huge.labels(**lab).set(store.huge.coverage)
+        self.registered.labels(**lab).set(store.resident_bytes if store.memory.registered else 0)
+
+
+METRICS = _StoreMetrics()

@@ -1,0 +1,222 @@
+"""The three placements of a layer table: device memory, host memory, a file on disk.
+
+All three end in the same op, `gather_dequant`, over packed rows: the device and host
+stores hand it the whole (shard of the) table, the disk store a staging buffer of the
+call's unique rows. So the bits are the same by construction, and the tests check it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import EngramError
+from ..rowformat import ROW_BYTES
+from ..tablefile import DATA_OFFSET
+from . import hostmem, rowio
+from .base import TableIOError, TableStore
+from .metrics import METRICS
+
+logger = logging.getLogger(__name__)
+
+
+def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str) -> torch.Tensor:
+    from ..ops import gather_dequant
+
+    return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend)
+
+
+class DeviceStore(TableStore):
+    """The rows in the compute device's memory (RAM on a CPU-only machine)."""
+
+    placement = "device"
+
+    def __init__(self, layer_id, path, rows, row_range, device, backend):
+        super().__init__(layer_id, path, rows, row_range, device, backend)
+        lo, hi = row_range
+        rows_np = np.fromfile(path, dtype=np.uint8, count=(hi - lo) * ROW_BYTES, offset=DATA_OFFSET + lo * ROW_BYTES)
+        if rows_np.size != (hi - lo) * ROW_BYTES:
+            raise EngramError(f"{path}: ended early while loading rows {lo}..{hi - 1} (truncated?)")
+        self.table = torch.from_numpy(rows_np.reshape(hi - lo, ROW_BYTES)).to(self.device)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.table.numel()
+
+    def _gather(self, ids, out):
+        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend)
+        METRICS.served(self, ids.numel())
+        return rows, None
+
+
+class HostStore(TableStore):
+    """The rows in host memory (anonymous, or one /dev/shm copy per node), huge pages
+    where the system gives them, registered with the GPU and read in-kernel over UVA."""
+
+    placement = "host"
+
+    def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
+                 shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, fingerprint: str = ""):
+        super().__init__(layer_id, path, rows, row_range, device, backend)
+        lo, hi = row_range
+        nbytes = (hi - lo) * ROW_BYTES
+        shm_path = None
+        if shared:
+            shm_dir = Path(shm_dir)
+            free = hostmem.shm_free_bytes(shm_dir) if shm_dir.is_dir() else 0
+            name = f"engram-{fingerprint}-layer{layer_id}-rows{lo}-{hi}.rows"
+            if (shm_dir / name).exists() or free >= nbytes:
+                shm_path = shm_dir / name
+            else:
+                logger.warning(
+                    "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
+                    "copy per rank instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
+                    layer_id, shm_dir, free / 2**30, nbytes / 2**30, -(-nbytes // 2**30) + 1,
+                )
+        self.memory = hostmem.HostTable(
+            nbytes, source=Path(path), source_offset=DATA_OFFSET + lo * ROW_BYTES, shm_path=shm_path, huge_pages=huge_pages
+        )
+        self.shared = shm_path is not None
+        self.table = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(hi - lo, ROW_BYTES)
+        if self.device.type == "cuda":
+            hostmem.register_with_gpu(self.memory.address, nbytes)
+            self.memory.registered = True
+        self.huge = self.memory.huge_pages_report()
+        METRICS.host_facts(self)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.memory.nbytes
+
+    def _gather(self, ids, out):
+        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend)
+        METRICS.served(self, ids.numel())
+        return rows, None
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update(shared=self.shared, registered=self.memory.registered, huge_page_coverage=self.huge.coverage,
+                 thp_mode=self.huge.thp_mode)
+        return s
+
+    def describe(self) -> str:
+        layout = f"shared {self.memory.shm_path}" if self.shared else "private"
+        return (f"{super().describe()}, {layout} host memory, huge pages {self.huge.coverage:.0%} "
+                f"(THP {self.huge.thp_mode or 'unknown'}), registered {self.memory.registered}")
+
+    def close(self) -> None:
+        super().close()
+        if self.memory.registered:
+            hostmem.unregister_from_gpu(self.memory.address)
+            self.memory.registered = False
+
+
+class DiskStore(TableStore):
+    """Rows read from the layer file on demand; the table is never held in RAM by us.
+
+    Each call dedupes its ids, reads the unique rows in its shard with `threads` reads in
+    flight (through a persistent MADV_RANDOM mapping, so page-cached rows cost a memory
+    read; or by O_DIRECT preads with `direct=True`), stages them, and decodes with the
+    same op as every placement. A failed read is retried through pread (which reports
+    the real errno), then raises TableIOError for that call only.
+    """
+
+    placement = "disk"
+    needs_host_ids = True
+
+    def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
+                 retries: int = 2):
+        super().__init__(layer_id, path, rows, row_range, device, backend)
+        if threads < 1:
+            raise EngramError(f"disk store: threads must be >= 1, got {threads}")
+        rowio.library()  # fail at start-up, not at the first request, when it is not built
+        self.threads, self.direct, self.retries = threads, direct, retries
+        self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._map = None
+        if not direct:
+            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+            self._map.madvise(mmap.MADV_RANDOM)  # a miss reads its page, not an 8 MiB window
+            self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data + DATA_OFFSET
+        self._reads = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return 0
+
+    def _gather(self, ids, out):
+        # The ids visit the host once per call: the reads need them there.
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: neighbours share pages
+        lo, hi = self.row_range
+        in_shard = (uniq >= lo) & (uniq < hi)
+        wanted = uniq[in_shard].numpy()
+        # Staging index of each id; ids outside the shard point one past the staged rows,
+        # which the op's row_range turns into +0.0 rows.
+        slot = torch.cumsum(in_shard, 0) - 1
+        slot[~in_shard] = wanted.shape[0]
+        t0 = time.perf_counter()
+        staging = self._read(wanted)
+        METRICS.read(self, wanted.shape[0], time.perf_counter() - t0)
+        table = torch.from_numpy(staging).to(self.device)
+        local = slot[inverse].view(ids.shape).to(self.device)
+        rows = _decode(table, local, out, (0, wanted.shape[0]), self.backend)
+        METRICS.served(self, ids.numel(), unique=wanted.shape[0])
+        return rows, wanted.shape[0]
+
+    def _read(self, wanted: np.ndarray) -> np.ndarray:
+        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+        if wanted.shape[0] == 0:
+            return staging
+        wanted = np.ascontiguousarray(wanted, dtype=np.int64)
+        size = os.fstat(self._fd).st_size
+        last = int(wanted[-1])
+        if DATA_OFFSET + (last + 1) * ROW_BYTES > size:
+            raise TableIOError(
+                f"{self.path}: row {last} lies past the end of the file ({size} bytes): the file was truncated or "
+                f"replaced under the open store; restore it and restart"
+            )
+        if self._map is not None and rowio.copy_mapped(self._base, wanted, staging, self.threads) < 0:
+            self._reads += 1
+            return staging
+        # The mapping faulted (I/O error or truncation), or direct I/O: pread reports why.
+        err, failed = 0, -1
+        for attempt in range(self.retries + 1):
+            err, failed = rowio.pread_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads, self.direct)
+            if err == 0:
+                self._reads += 1
+                return staging
+            logger.warning("engram layer %d: reading %s failed (%s), try %d of %d", self.layer_id, self.path,
+                           _strerror(err), attempt + 1, self.retries + 1)
+            time.sleep(0.01 * (attempt + 1))
+        METRICS.error(self)
+        raise TableIOError(
+            f"{self.path}: reading row {int(wanted[failed])} failed after {self.retries + 1} tries: {_strerror(err)}"
+        )
+
+    def describe(self) -> str:
+        how = "O_DIRECT preads" if self.direct else "page cache through a persistent mapping"
+        return f"{super().describe()}, {how}, {self.threads} reads in flight"
+
+    def close(self) -> None:
+        super().close()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _strerror(err: int) -> str:
+    return "short read (the file ends early)" if err < 0 else os.strerror(err)

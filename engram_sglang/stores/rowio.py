@@ -1,0 +1,52 @@
+"""ctypes binding of the native row reads (kernels/io/engram_rowio.cpp, built by `make rowio`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EngramError
+
+_LIB_NAME = "libengram_io.so"
+
+
+def kernels_dir() -> Path:
+    """Where built native libraries live (override with ENGRAM_KERNELS_DIR)."""
+    env = os.environ.get("ENGRAM_KERNELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    path = kernels_dir() / _LIB_NAME
+    if not path.is_file():
+        raise EngramError(f"{path}: native row I/O library not built; run `make rowio` (or `make kernels`)")
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.engram_rowio_copy_mapped.argtypes = [p, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
+    lib.engram_rowio_copy_mapped.restype = ctypes.c_int
+    lib.engram_rowio_pread.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(i64)]
+    lib.engram_rowio_pread.restype = ctypes.c_int
+    return lib
+
+
+def copy_mapped(base_address: int, rows: np.ndarray, out: np.ndarray, threads: int) -> int:
+    """Copy rows (int64, contiguous) of a mapped table into out [n, 264]; -1 or a faulting index."""
+    failed = ctypes.c_int64(-1)
+    library().engram_rowio_copy_mapped(
+        base_address, rows.ctypes.data, rows.shape[0], out.ctypes.data, threads, ctypes.byref(failed)
+    )
+    return failed.value
+
+
+def pread_rows(fd: int, data_offset: int, rows: np.ndarray, out: np.ndarray, threads: int, direct: bool) -> tuple[int, int]:
+    """Read rows by pread; returns (0, -1) or (errno or -1 for a short read, failed index)."""
+    failed = ctypes.c_int64(-1)
+    err = library().engram_rowio_pread(
+        fd, data_offset, rows.ctypes.data, rows.shape[0], out.ctypes.data, threads, int(direct), ctypes.byref(failed)
+    )
+    return err, failed.value

@@ -1,0 +1,243 @@
+// engram_rowio.cpp: the disk tier's row reads, with many reads in flight.
+//
+// Two ways to copy packed 264-byte rows (row ids already deduplicated by the caller) out of a
+// layer file into a staging buffer:
+//
+//  * mapped: memcpy from a persistent read-only mapping of the file. Rows in the page cache
+//    cost a memory read; a row that is not faults in on the thread that touches it, so N
+//    worker threads keep N page-cache misses in flight (with MADV_RANDOM each miss reads one
+//    page, not a read-around window). A mapping turns I/O errors and truncation into SIGBUS:
+//    a thread-local sigsetjmp guard turns that into an error return for this call only.
+//  * pread: one pread per row (optionally O_DIRECT through an aligned per-thread buffer),
+//    spread over N threads. Slower for cached rows, but it reports the real errno; the
+//    caller uses it to retry and to name what failed.
+//
+// No torch, no Python: loaded with ctypes. Built without -ffast-math like every kernel here.
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <csetjmp>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+constexpr int64_t kRowBytes = 264;
+constexpr int64_t kPage = 4096;
+// Rows per work item: small, so a thread blocked on a cold page holds back few rows.
+constexpr int64_t kRowsPerItem = 4;
+
+// ------------------------------------------------------------------ SIGBUS guard
+thread_local sigjmp_buf* t_guard = nullptr;
+struct sigaction g_previous;
+std::mutex g_guard_mutex;
+
+void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+    if (t_guard != nullptr) siglongjmp(*t_guard, 1);  // a fault inside our copy loop
+    // Not ours: hand it to whoever had the signal before us (or die as the default would).
+    if (g_previous.sa_flags & SA_SIGINFO) {
+        if (g_previous.sa_sigaction != nullptr) return g_previous.sa_sigaction(sig, info, ctx);
+    } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
+        return g_previous.sa_handler(sig);
+    }
+    signal(SIGBUS, SIG_DFL);
+    raise(SIGBUS);
+}
+
+// Checked on every call: a handler installed after ours (faulthandler, a runtime) would
+// otherwise turn a truncated file back into a crash.
+void ensure_guard() {
+    struct sigaction current;
+    sigaction(SIGBUS, nullptr, &current);
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+    std::lock_guard<std::mutex> lock(g_guard_mutex);
+    sigaction(SIGBUS, nullptr, &current);
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&ours.sa_mask);
+    sigaction(SIGBUS, &ours, &g_previous);
+}
+
+// ------------------------------------------------------------------ worker pool
+// Persistent threads: creating dozens of threads per decode step would cost more than the
+// rows. A call hands out work items through an atomic counter; the caller works too.
+class Pool {
+  public:
+    void run(int threads, int64_t items, const std::function<void(int64_t)>& fn) {
+        if (threads <= 1 || items <= 1) {
+            for (int64_t k = 0; k < items; ++k) fn(k);
+            return;
+        }
+        std::lock_guard<std::mutex> call_lock(call_mutex_);  // one call at a time per pool
+        const int helpers = static_cast<int>(std::min<int64_t>(threads - 1, items - 1));
+        grow(helpers);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            fn_ = &fn;
+            items_ = items;
+            next_.store(0);
+            wanted_ = helpers;
+            busy_ = helpers;
+            ++generation_;
+        }
+        wake_.notify_all();
+        drain();
+        std::unique_lock<std::mutex> lock(mutex_);
+        done_.wait(lock, [&] { return busy_ == 0; });
+        fn_ = nullptr;
+    }
+
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+        }
+        wake_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+
+  private:
+    void grow(int n) {
+        while (static_cast<int>(threads_.size()) < n) {
+            const int index = static_cast<int>(threads_.size());
+            threads_.emplace_back([this, index] { loop(index); });
+        }
+    }
+
+    void drain() {
+        for (int64_t k; (k = next_.fetch_add(1)) < items_;) (*fn_)(k);
+    }
+
+    void loop(int index) {
+        uint64_t seen = 0;
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return stop_ || (generation_ != seen && index < wanted_); });
+                if (stop_) return;
+                seen = generation_;
+            }
+            drain();
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--busy_ == 0) done_.notify_all();
+        }
+    }
+
+    std::mutex call_mutex_, mutex_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> threads_;
+    const std::function<void(int64_t)>* fn_ = nullptr;
+    int64_t items_ = 0;
+    std::atomic<int64_t> next_{0};
+    int wanted_ = 0, busy_ = 0;
+    uint64_t generation_ = 0;
+    bool stop_ = false;
+};
+
+Pool& pool() {
+    static Pool* p = new Pool();  // never destroyed: workers may outlive static teardown
+    return *p;
+}
+
+void record_failure(std::atomic<int64_t>& first, int64_t index) {
+    int64_t cur = first.load();
+    while ((cur < 0 || index < cur) && !first.compare_exchange_weak(cur, index)) {
+    }
+}
+
+// Copies rows [lo, hi) of the request; returns the index of a faulting row, or -1.
+int64_t copy_guarded(const uint8_t* base, const int64_t* rows, int64_t lo, int64_t hi, uint8_t* out) {
+    sigjmp_buf guard;
+    volatile int64_t i = lo;
+    if (sigsetjmp(guard, 1) != 0) {
+        t_guard = nullptr;
+        return i;
+    }
+    t_guard = &guard;
+    for (; i < hi; i = i + 1) memcpy(out + i * kRowBytes, base + rows[i] * kRowBytes, kRowBytes);
+    t_guard = nullptr;
+    return -1;
+}
+
+// One row by pread; returns 0, an errno, or -1 for a short read (past the end of the file).
+int read_row(int fd, int64_t data_offset, int64_t row, uint8_t* out, bool direct, uint8_t* aligned) {
+    const int64_t offset = data_offset + row * kRowBytes;
+    int64_t start = offset, length = kRowBytes;
+    uint8_t* dst = out;
+    if (direct) {  // O_DIRECT: page-aligned offset, length and buffer (a row spans 1 or 2 pages)
+        start = offset & ~(kPage - 1);
+        length = ((offset + kRowBytes - start) + kPage - 1) & ~(kPage - 1);
+        dst = aligned;
+    }
+    int64_t need = offset + kRowBytes - start, got = 0;
+    while (got < need) {
+        ssize_t r = pread(fd, dst + got, static_cast<size_t>(length - got), start + got);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return -1;
+        got += r;
+    }
+    if (direct) memcpy(out, aligned + (offset - start), kRowBytes);
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Copies rows[i] (i < n) of the mapped table at `base` (row 0's address) to out[i].
+// Returns 0, or 1 when a row faulted (SIGBUS: I/O error or a file truncated under the
+// mapping); *failed is then the smallest faulting index seen.
+int engram_rowio_copy_mapped(const uint8_t* base, const int64_t* rows, int64_t n, uint8_t* out, int threads,
+                             int64_t* failed) {
+    ensure_guard();
+    std::atomic<int64_t> first{-1};
+    const int64_t items = (n + kRowsPerItem - 1) / kRowsPerItem;
+    pool().run(threads, items, [&](int64_t k) {
+        const int64_t lo = k * kRowsPerItem, hi = std::min(n, lo + kRowsPerItem);
+        const int64_t bad = copy_guarded(base, rows, lo, hi, out);
+        if (bad >= 0) record_failure(first, bad);
+    });
+    *failed = first.load();
+    return *failed >= 0 ? 1 : 0;
+}
+
+// Reads rows[i] (i < n) of the file `fd` (row 0 at byte `data_offset`) to out[i] with
+// `threads` reads in flight. Returns 0, an errno, or -1 for a short read; *failed is then
+// the index of a failed row.
+int engram_rowio_pread(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, int threads,
+                       int direct, int64_t* failed) {
+    std::atomic<int64_t> first{-1};
+    std::atomic<int> error{0};
+    const int64_t items = (n + kRowsPerItem - 1) / kRowsPerItem;
+    pool().run(threads, items, [&](int64_t k) {
+        alignas(kPage) static thread_local uint8_t aligned[2 * kPage];
+        const int64_t lo = k * kRowsPerItem, hi = std::min(n, lo + kRowsPerItem);
+        for (int64_t i = lo; i < hi; ++i) {
+            const int err = read_row(fd, data_offset, rows[i], out + i * kRowBytes, direct != 0, aligned);
+            if (err != 0) {
+                int expected = 0;
+                error.compare_exchange_strong(expected, err);
+                record_failure(first, i);
+                return;
+            }
+        }
+    });
+    *failed = first.load();
+    return error.load();
+}
+
+}  // extern "C"
