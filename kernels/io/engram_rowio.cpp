@@ -36,7 +36,9 @@ constexpr int64_t kPage = 4096;
 constexpr int64_t kRowsPerItem = 4;
 
 // ------------------------------------------------------------------ SIGBUS guard
-thread_local sigjmp_buf* t_guard = nullptr;
+// volatile: the copy loop never reads it, so without it the compiler may drop the store
+// that arms the guard (the only reader is the signal handler).
+thread_local sigjmp_buf* volatile t_guard = nullptr;
 struct sigaction g_previous;
 std::mutex g_guard_mutex;
 
