@@ -1,0 +1,323 @@
+// Host build of the Engram gather: kernels/common/engram_gather.h's row decode, run on the
+// CPU cores. Used for CPU serving and by the disk tier's staging; torch-free, loaded with
+// ctypes (engram_sglang/ops/native.py).
+//
+// Built without -ffast-math (which would link crtfastmath and turn flush-to-zero on for the
+// whole process) and without -march: ISA variants come from target_clones, picked by the
+// loader on the machine that runs it.
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <sched.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
+#include "../common/engram_gather.h"
+
+namespace {
+
+using engram::kRowBytes;
+using engram::kRowValues;
+
+// ---------------------------------------------------------------- FTZ guard
+// Another library in the process may have set flush-to-zero / denormals-are-zero (anything
+// built with -ffast-math does, at load). The 2^-127 scale is a denormal, so make sure each
+// thread that decodes runs with both off, and restore the caller's mode afterwards.
+class DenormalGuard {
+   public:
+    DenormalGuard() {
+#if defined(__x86_64__) || defined(__i386__)
+        saved_ = _mm_getcsr();
+        _mm_setcsr(saved_ & ~(kFtz | kDaz));
+#elif defined(__aarch64__)
+        __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+        __asm__ volatile("msr fpcr, %0" ::"r"(saved_ & ~(uint64_t{1} << 24)));  // FZ bit
+#endif
+    }
+    ~DenormalGuard() {
+#if defined(__x86_64__) || defined(__i386__)
+        _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+        __asm__ volatile("msr fpcr, %0" ::"r"(saved_));
+#endif
+    }
+    DenormalGuard(const DenormalGuard&) = delete;
+    DenormalGuard& operator=(const DenormalGuard&) = delete;
+
+   private:
+#if defined(__x86_64__) || defined(__i386__)
+    static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;
+    unsigned saved_ = 0;
+#else
+    uint64_t saved_ = 0;
+#endif
+};
+
+// ---------------------------------------------------------------- row loops
+struct Job {
+    const uint8_t* table;
+    const void* ids;
+    int id_bytes;
+    int64_t n, lo, hi;
+    uint16_t* out;
+    int decoder;  // a Decoder value
+};
+
+// What the test hook can run besides production, to check on the host the logic the GPU
+// launchers run (with only their conversion instruction replaced by its software twin).
+enum Decoder : int {
+    kHostSoft = 0,        // production: dequant_row_host
+    kHostFnuz = 1,        // host form, gfx942's fnuz decode + fix-up
+    kDeviceSoft = 2,      // device form (gather_dequant_rows) thread by thread, OCP decode
+    kDeviceFnuz = 3,      // device form with gfx942's fnuz decode + fix-up
+};
+
+// The GPU launchers' launch shape, emulated block by block.
+constexpr int kEmuBlockThreads = 256;
+constexpr int kEmuUnroll = 4;
+constexpr int kEmuRowsPerPass = kEmuBlockThreads / engram::kChunksPerRow;
+constexpr int64_t kEmuRowsPerBlock = kEmuRowsPerPass * kEmuUnroll;
+
+template <class Dec, typename IdT>
+void device_form(const Job& j, int64_t begin, int64_t end) {
+    // begin is a multiple of kEmuRowsPerBlock (kGrainRows is), so blocks line up with a launch.
+    const IdT* ids = static_cast<const IdT*>(j.ids) + begin;
+    uint16_t* out = j.out + begin * kRowValues;
+    for (int64_t first = 0; first < end - begin; first += kEmuRowsPerBlock)
+        for (int tid = 0; tid < kEmuBlockThreads; ++tid)
+            engram::gather_dequant_rows<Dec, kEmuUnroll, IdT>(j.table, ids, end - begin, j.lo,
+                                                              j.hi, out, first,
+                                                              kEmuRowsPerPass, tid);
+}
+
+// Rows ahead to prefetch: ids are random, so the hardware prefetcher cannot guess the next
+// row; a few rows (each 5-6 cache lines) ahead hide most of the DRAM latency.
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename IdT>
+inline int64_t id_at(const Job& j, int64_t r) {
+    return static_cast<int64_t>(static_cast<const IdT*>(j.ids)[r]);
+}
+
+// Decoder void: the production decode (dequant_row_host); else that decoder's general path.
+template <class Decoder, typename IdT>
+inline void rows_body(const Job& j, int64_t begin, int64_t end) {
+    constexpr bool kProduction = std::is_void<Decoder>::value;
+    for (int64_t r = begin; r < end; ++r) {
+        if (r + kPrefetchAhead < end) {
+            const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
+            if (engram::id_in_range(pid, j.lo, j.hi)) {
+                const char* p = reinterpret_cast<const char*>(j.table + (pid - j.lo) * kRowBytes);
+                for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(p + off);
+                __builtin_prefetch(p + kRowBytes - 1);
+            }
+        }
+        const int64_t id = id_at<IdT>(j, r);
+        uint16_t* o = j.out + r * kRowValues;
+        if (engram::id_in_range(id, j.lo, j.hi)) {
+            const uint8_t* row = j.table + (id - j.lo) * kRowBytes;
+            if constexpr (kProduction)
+                engram::dequant_row_host(row, o);
+            else
+                engram::dequant_row<Decoder>(row, o);
+        } else {
+            for (int i = 0; i < kRowValues; ++i) o[i] = 0;
+        }
+    }
+}
+
+// The production loop, cloned per x86 ISA level so the decode vectorizes 8 or 16 wide
+// without building the library for one CPU.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ENGRAM_ISA_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define ENGRAM_ISA_CLONES
+#endif
+
+ENGRAM_ISA_CLONES void rows_soft_i32(const Job& j, int64_t b, int64_t e) {
+    rows_body<void, int32_t>(j, b, e);
+}
+ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
+    rows_body<void, int64_t>(j, b, e);
+}
+
+void run_rows(const Job& j, int64_t begin, int64_t end) {
+    DenormalGuard guard;
+    const bool i32 = j.id_bytes == 4;
+    switch (j.decoder) {
+        case kHostSoft:
+            return i32 ? rows_soft_i32(j, begin, end) : rows_soft_i64(j, begin, end);
+        case kHostFnuz:
+            return i32 ? rows_body<engram::EmulatedFnuzAsFn, int32_t>(j, begin, end)
+                       : rows_body<engram::EmulatedFnuzAsFn, int64_t>(j, begin, end);
+        case kDeviceSoft:
+            return i32 ? device_form<engram::SoftE4m3fn, int32_t>(j, begin, end)
+                       : device_form<engram::SoftE4m3fn, int64_t>(j, begin, end);
+        case kDeviceFnuz:
+            return i32 ? device_form<engram::EmulatedFnuzAsFn, int32_t>(j, begin, end)
+                       : device_form<engram::EmulatedFnuzAsFn, int64_t>(j, begin, end);
+    }
+}
+
+// ---------------------------------------------------------------- thread pool
+// A small persistent pool whose idle workers block on a condition variable. Not OpenMP: torch
+// ships its own libgomp, and two OpenMP runtimes spinning on two cores starve each other.
+constexpr int64_t kGrainRows = 64;      // ~50 KB moved per task
+static_assert(kGrainRows % kEmuRowsPerBlock == 0, "tasks hold whole emulated blocks");
+constexpr int64_t kSerialRows = 128;    // below this, threads cost more than they give
+
+int default_threads() {
+    if (const char* env = std::getenv("ENGRAM_CPU_THREADS")) {
+        const int v = std::atoi(env);
+        if (v > 0) return v;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+    const unsigned hc = std::thread::hardware_concurrency();
+    return hc ? static_cast<int>(hc) : 1;
+}
+
+class Pool {
+   public:
+    explicit Pool(int workers) : pid_(getpid()) {
+        for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { worker(); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            stop_ = true;
+        }
+        cv_work_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+    int workers() const { return static_cast<int>(threads_.size()); }
+    pid_t pid() const { return pid_; }
+
+    // Runs j over [0, n) in kGrainRows tasks on the caller plus up to `helpers` workers.
+    void run(const Job& j, int helpers) {
+        std::lock_guard<std::mutex> call(call_mu_);  // one job at a time
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            job_ = &j;
+            next_.store(0, std::memory_order_relaxed);
+            tasks_ = (j.n + kGrainRows - 1) / kGrainRows;
+            seats_ = helpers;
+            busy_ = 0;
+            ++generation_;
+        }
+        cv_work_.notify_all();
+        drain();
+        std::unique_lock<std::mutex> lk(mu_);
+        seats_ = 0;  // late wakers find no seat
+        cv_done_.wait(lk, [this] { return busy_ == 0; });
+        job_ = nullptr;
+    }
+
+   private:
+    void drain() {
+        const Job& j = *job_;
+        for (;;) {
+            const int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
+            if (t >= tasks_) return;
+            const int64_t b = t * kGrainRows;
+            run_rows(j, b, b + kGrainRows < j.n ? b + kGrainRows : j.n);
+        }
+    }
+    void worker() {
+        uint64_t seen = 0;
+        std::unique_lock<std::mutex> lk(mu_);
+        for (;;) {
+            cv_work_.wait(lk, [&] { return stop_ || generation_ != seen; });
+            if (stop_) return;
+            seen = generation_;
+            if (seats_ <= 0 || job_ == nullptr) continue;
+            --seats_;
+            ++busy_;
+            lk.unlock();
+            drain();
+            lk.lock();
+            if (--busy_ == 0) cv_done_.notify_all();
+        }
+    }
+
+    pid_t pid_;
+    std::vector<std::thread> threads_;
+    std::mutex call_mu_, mu_;
+    std::condition_variable cv_work_, cv_done_;
+    const Job* job_ = nullptr;
+    std::atomic<int64_t> next_{0};
+    int64_t tasks_ = 0;
+    int seats_ = 0, busy_ = 0;
+    uint64_t generation_ = 0;
+    bool stop_ = false;
+};
+
+std::mutex g_pool_mu;
+Pool* g_pool = nullptr;  // never destroyed: workers must not be joined during exit
+
+Pool& pool_for(int threads) {
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    // A forked child inherits the Pool object but none of its threads: start a new one and
+    // leak the old (its mutexes may be held by threads that no longer exist).
+    if (g_pool == nullptr || g_pool->pid() != getpid()) {
+        const int size = threads > default_threads() ? threads : default_threads();
+        g_pool = new Pool(size - 1);
+    }
+    return *g_pool;
+}
+
+int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
+           int64_t hi, uint16_t* out, int threads, int decoder) {
+    if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
+    if (n == 0) return engram::kOk;
+    if (ids == nullptr || out == nullptr || (table == nullptr && hi > lo)) return engram::kBadArgument;
+    const Job j{table, ids, id_bytes, n, lo, hi, out, decoder};
+    if (threads <= 0) threads = default_threads();
+    const int64_t useful = (n + kGrainRows - 1) / kGrainRows;
+    if (threads > useful) threads = static_cast<int>(useful);
+    if (threads <= 1 || n < kSerialRows) {
+        run_rows(j, 0, n);
+        return engram::kOk;
+    }
+    Pool& pool = pool_for(threads);
+    pool.run(j, threads - 1 < pool.workers() ? threads - 1 : pool.workers());
+    return engram::kOk;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped when an entry point's signature or meaning changes; ops/native.py checks it.
+int engram_cpu_abi_version(void) { return 1; }
+
+int engram_cpu_default_threads(void) { return default_threads(); }
+
+// Gather rows `ids[0..n)` (int32 when id_bytes == 4, int64 when 8) of a packed table holding
+// global rows [lo, hi) and write bf16 bits to out[n][256]; ids outside [lo, hi) give +0 rows.
+// threads <= 0 means all usable cores (or ENGRAM_CPU_THREADS). Returns 0 or a negative
+// engram::Status.
+int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n,
+                              int64_t lo, int64_t hi, uint16_t* out, int threads) {
+    return gather(table, ids, id_bytes, n, lo, hi, out, threads, 0);
+}
+
+// Test hook: the same gather through another path (enum Decoder above): 1 the host form with
+// gfx942's fnuz -> fn fix-up, 2 the GPU launchers' device form run thread by thread, 3 the
+// device form with the fix-up. Conversion instructions are replaced by software decodes.
+int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes,
+                                       int64_t n, int64_t lo, int64_t hi, uint16_t* out,
+                                       int threads, int decoder) {
+    if (decoder < kHostSoft || decoder > kDeviceFnuz) return engram::kBadArgument;
+    return gather(table, ids, id_bytes, n, lo, hi, out, threads, decoder);
+}
+
+}  // extern "C"

@@ -1,0 +1,126 @@
+# Native gather kernels (kernels/): `make kernels` builds, without a GPU,
+#   build/kernels/libengram_cpu.so   host library (g++)
+#   build/kernels/libengram_cuda.so  sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc)
+#   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
+# plus what tests/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
+# VENDOR=cuda|hip|cpu|all picks what to build (the Docker images build one vendor; cpu is
+# always built alongside, CPU serving and the disk tier use it).
+# Flags that matter for results: no fast-math anywhere and denormals kept (-ftz=false,
+# -fno-gpu-flush-denormals-to-zero): the e8m0 scale 2^-127 is an fp32 denormal.
+
+VENDOR ?= all
+KERNELS_OUT := build/kernels
+KERNEL_COMMON := kernels/common/engram_gather.h
+
+NVCC ?= /usr/local/cuda/bin/nvcc
+HIPCXX ?= clang++-22
+LLVM_SUFFIX ?= -22
+ROCM_BITCODE ?= /usr/lib/x86_64-linux-gnu/amdgcn/bitcode
+
+CUDA_ARCHS := 90 100 120
+CUDA_PTX_ARCH := 120
+CUDA_TARGETS := $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX_ARCH)
+HIP_ARCHS := gfx942 gfx950
+
+CPU_LIB := $(KERNELS_OUT)/libengram_cpu.so
+CUDA_LIB := $(KERNELS_OUT)/libengram_cuda.so
+CUDA_PTX := $(foreach a,$(CUDA_ARCHS),$(KERNELS_OUT)/cuda/engram_gather.sm_$(a).ptx)
+HIP_LIB := $(KERNELS_OUT)/libengram_hip.so
+HIP_OBJ := $(KERNELS_OUT)/hip/engram_gather.o
+HIP_CO := $(foreach a,$(HIP_ARCHS),$(KERNELS_OUT)/hip/engram_gather.$(a).co)
+HIP_BITCODE := $(KERNELS_OUT)/hip/bitcode
+
+KERNEL_CXXFLAGS := -std=c++17 -O3 -fPIC -pthread -Wall -Wextra -fno-fast-math -ffp-contract=off
+NVCC_FLAGS := -std=c++17 -O3 -ftz=false -prec-div=true -prec-sqrt=true -fmad=false \
+	-Xcompiler -fPIC,-fno-fast-math,-Wall
+HIP_FLAGS := -x hip $(foreach a,$(HIP_ARCHS),--offload-arch=$(a)) --rocm-path=/usr \
+	--rocm-device-lib-path=$(HIP_BITCODE) -mcode-object-version=5 \
+	-D__AMDGCN_WAVEFRONT_SIZE=64 -std=c++17 -O3 -fPIC -Wall \
+	-fno-gpu-flush-denormals-to-zero -ffp-contract=off
+
+.PHONY: kernels kernels-toolchain kernels-cpu kernels-cuda kernels-hip kernels-clean
+TEST_PREREQS += kernels
+
+kernels: kernels-cpu
+ifneq ($(filter cuda all,$(VENDOR)),)
+kernels: kernels-cuda
+endif
+ifneq ($(filter hip all,$(VENDOR)),)
+kernels: kernels-hip
+endif
+ifeq ($(filter cuda hip cpu all,$(VENDOR)),)
+$(error VENDOR=$(VENDOR): expected cuda, hip, cpu or all)
+endif
+
+# Compilers come from the project's own script (quick when present). Without root it cannot
+# install: then what is missing is skipped below with a message, and the tests say why.
+kernels-toolchain:
+	@VENDOR=$(VENDOR) bash scripts/setup-toolchain.sh || \
+		echo "kernels: scripts/setup-toolchain.sh failed; builds whose compiler is missing are skipped"
+
+kernels-cpu: kernels-toolchain
+	@$(MAKE) --no-print-directory $(CPU_LIB)
+
+kernels-cuda: kernels-toolchain
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory $(CUDA_LIB) $(CUDA_PTX); \
+	else \
+		echo "kernels: nvcc not found ($(NVCC)): skipping the CUDA build (its tests skip)"; \
+	fi
+
+kernels-hip: kernels-toolchain
+	@if command -v $(HIPCXX) >/dev/null 2>&1 && [ -e $(ROCM_BITCODE)/oclc_isa_version_940.bc ]; then \
+		$(MAKE) --no-print-directory $(HIP_LIB) $(HIP_CO); \
+	else \
+		echo "kernels: $(HIPCXX) or ROCm device libraries missing: skipping the HIP build (its tests skip)"; \
+	fi
+
+$(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) mk/kernels.mk
+	@mkdir -p $(@D)
+	$(CXX) $(KERNEL_CXXFLAGS) -shared -o $@ $<
+
+$(CUDA_LIB): kernels/cuda/engram_gather.cu $(KERNEL_COMMON) mk/kernels.mk
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCC_FLAGS) -shared -DENGRAM_CUDA_TARGETS='"$(CUDA_TARGETS)"' \
+		$(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+		-gencode arch=compute_$(CUDA_PTX_ARCH),code=compute_$(CUDA_PTX_ARCH) -o $@ $<
+
+# PTX per arch, from the same source and flags, for the disassembly checks (this toolkit has
+# no cuobjdump/nvdisasm to read the SASS back).
+$(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: kernels/cuda/engram_gather.cu $(KERNEL_COMMON) mk/kernels.mk
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCC_FLAGS) -ptx -arch=compute_$* -o $@ $<
+
+# Debian's ROCm device libraries stop at gfx940: gfx942/gfx950 get an ISA-version bitcode made
+# from the gfx940 one (only the version constant differs), next to links to the others.
+$(HIP_BITCODE)/.stamp: mk/kernels.mk
+	@mkdir -p $(@D)
+	for f in $(ROCM_BITCODE)/*.bc; do ln -sf $$f $(@D)/; done
+	for v in 942 950; do \
+		rm -f $(@D)/oclc_isa_version_$$v.bc; \
+		llvm-dis$(LLVM_SUFFIX) $(ROCM_BITCODE)/oclc_isa_version_940.bc -o - \
+		| sed "s/constant i32 9400/constant i32 $${v}0/" \
+		| llvm-as$(LLVM_SUFFIX) -o $(@D)/oclc_isa_version_$$v.bc; \
+	done
+	touch $@
+
+$(HIP_OBJ): kernels/hip/engram_gather.hip $(KERNEL_COMMON) $(HIP_BITCODE)/.stamp mk/kernels.mk
+	@mkdir -p $(@D)
+	$(HIPCXX) $(HIP_FLAGS) -DENGRAM_HIP_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
+
+# Left with undefined HIP symbols on purpose: they bind to the runtime torch loaded (see the
+# comment at the top of kernels/hip/engram_gather.hip).
+$(HIP_LIB): $(HIP_OBJ)
+	$(CXX) -shared -o $@ $<
+
+# The code objects inside the library, unbundled for disassembly.
+$(KERNELS_OUT)/hip/fatbin.bin: $(HIP_LIB)
+	llvm-objcopy$(LLVM_SUFFIX) -O binary --only-section=.hip_fatbin $< $@
+
+$(KERNELS_OUT)/hip/engram_gather.%.co: $(KERNELS_OUT)/hip/fatbin.bin
+	clang-offload-bundler$(LLVM_SUFFIX) --unbundle --type=o --input=$< \
+		--targets=hipv4-amdgcn-amd-amdhsa--$* --output=$@
+
+kernels-clean:
+	rm -rf $(KERNELS_OUT)/libengram_cpu.so $(KERNELS_OUT)/libengram_cuda.so \
+		$(KERNELS_OUT)/libengram_hip.so $(KERNELS_OUT)/cuda $(KERNELS_OUT)/hip
