@@ -66,25 +66,30 @@ class HostStore(TableStore):
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, fingerprint: str = ""):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
-        nbytes = (hi - lo) * ROW_BYTES
         shm_path = None
         if shared:
+            # One copy of the whole layer per node: every TP rank and DP replica on the node
+            # maps the same file and reads its own row range of it.
             shm_dir = Path(shm_dir)
+            need = rows * ROW_BYTES
             free = hostmem.shm_free_bytes(shm_dir) if shm_dir.is_dir() else 0
-            name = f"engram-{fingerprint}-layer{layer_id}-rows{lo}-{hi}.rows"
-            if (shm_dir / name).exists() or free >= nbytes:
+            name = f"engram-{fingerprint}-layer{layer_id}.rows"
+            if (shm_dir / name).exists() or free >= need:
                 shm_path = shm_dir / name
             else:
                 logger.warning(
                     "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
-                    "copy per rank instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
-                    layer_id, shm_dir, free / 2**30, nbytes / 2**30, -(-nbytes // 2**30) + 1,
+                    "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
+                    layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1,
                 )
+        first, last = (0, rows) if shm_path is not None else (lo, hi)
+        nbytes = (last - first) * ROW_BYTES
         self.memory = hostmem.HostTable(
-            nbytes, source=Path(path), source_offset=DATA_OFFSET + lo * ROW_BYTES, shm_path=shm_path, huge_pages=huge_pages
+            nbytes, source=Path(path), source_offset=DATA_OFFSET + first * ROW_BYTES, shm_path=shm_path, huge_pages=huge_pages
         )
         self.shared = shm_path is not None
-        self.table = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(hi - lo, ROW_BYTES)
+        mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
+        self.table = mapped[lo - first : hi - first]
         if self.device.type == "cuda":
             hostmem.register_with_gpu(self.memory.address, nbytes)
             self.memory.registered = True

@@ -1,0 +1,76 @@
+"""Tensor parallelism for real: 2 and 4 processes (torch.distributed, gloo) each open their
+row-range shard, gather the same ids, and an all-reduce sum reassembles the unsharded rows
+bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import small_config
+from engram_sglang import rowformat
+from engram_sglang.hashing import EngramLayout
+from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.tablefile import write_tables
+
+pytest.importorskip("engram_sglang.ops", reason="the gather_dequant op (engram_sglang.ops) is not built yet")
+
+CFG = small_config(300, layer_ids=(4,), n_heads=2)
+PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}}
+
+
+def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str, shm_dir: str, result_dir: str):
+    from engram_sglang.stores import open_store
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        options = dict(PLACEMENT_OPTIONS[placement])
+        if options.get("shared"):
+            options["shm_dir"] = shm_dir
+        store = open_store(table_dir, placement, cfg=CFG, tp_rank=rank, tp_size=world, **options)[4]
+        ids = torch.from_numpy(np.load(os.path.join(result_dir, "ids.npy")))
+        rows = store.gather(ids)
+        partial = rows.float()
+        dist.all_reduce(partial)  # what a TP all-reduce of the Engram rows computes
+        if rank == 0:
+            torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range}, os.path.join(result_dir, "out.pt"))
+        store.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows = torch.randint(0, 256, (EngramLayout(CFG).rows(4), ROW_BYTES), dtype=torch.uint8, generator=gen)
+    rows[:256, :256] = torch.arange(256, dtype=torch.uint8)
+    rows[:256, 256:] = torch.arange(256, dtype=torch.uint8).unsqueeze(1)
+    root = write_tables(tmp_path_factory.mktemp("dist") / "t", CFG, {4: rows.numpy()}, progress=False)
+    return root, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, placement, rng):
+    root, rows = table
+    ids = torch.randint(0, rows.shape[0], (48, 24), generator=rng)
+    ids[0, :3] = torch.tensor([0, rows.shape[0] - 1, 7])
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    mp.start_processes(
+        _rank,
+        args=(world, str(tmp_path / "init"), str(root), placement, str(tmp_path), str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
+    )
+    out = torch.load(tmp_path / "out.pt")
+    want = rowformat.dequantize(rows[ids.reshape(-1)]).view(48, 24, 256)
+    assert torch.equal(bf16_bits(out["sum"]), bf16_bits(want))
+    assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
+    if placement == "host":
+        assert len(list(tmp_path.glob("engram-*-layer4.rows"))) == 1  # one copy for all ranks
