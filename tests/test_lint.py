@@ -91,6 +91,8 @@ def test_dockerfile_shape(vendor):
     assert base.startswith(f"{repo}:v{sglang_version()}-"), base
     # Kernels built with the make target CI uses, for this vendor only.
     assert f"engram-make kernels VENDOR={KERNEL_VENDOR[vendor]}" in text
+    assert f"test -f build/kernels/libengram_{KERNEL_VENDOR[vendor]}.so" in text  # not silently skipped
+    assert "python3 docker/check-install.py" in text
     assert re.search(r"pip install [^\n]*--no-deps", text), "pip must not replace the image's torch"
     stages = re.findall(r"^FROM \S+ AS (\w+)$", text, re.M)
     assert stages == ["build", "test", "runtime"], "runtime must be the last (default) stage"
@@ -211,3 +213,18 @@ def test_readme_documents_shm_for_shared_tables():
 
     size = plan(model="deepseek-v4.1-flash", gpu="H200", tp=4, placement="host")["dev_shm"]["docker_shm_size"]
     assert f"--shm-size={size}" in text
+
+
+def test_image_install_check(tmp_path, monkeypatch, capsys):
+    """docker/check-install.py, which fails an image build that lacks its kernels or plugin."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_install", ROOT / "docker" / "check-install.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("ENGRAM_KERNELS_DIR", str(tmp_path))
+    assert mod.main() == 1
+    assert capsys.readouterr().err.startswith(f"check-install: no native libraries in {tmp_path}")
+    (tmp_path / "libengram_cuda.so").write_bytes(b"")
+    assert mod.main() == 0
+    assert "plugin engram_sglang.plugin:load, kernels libengram_cuda.so" in capsys.readouterr().out
