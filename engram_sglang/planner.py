@@ -287,10 +287,6 @@ def _check_tp(tp: Any, facts: ModelFacts) -> int:
     return tp
 
 
-def _gib(x: Optional[float]) -> Optional[float]:
-    return None if x is None else x / GIB
-
-
 class Planner:
     """Capacity arithmetic for one model on one SKU; `plan()` gives the report dict."""
 
