@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
     p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")
     p.set_defaults(func=_cmd_demo)
+
+    from . import planner
+
+    planner.add_parser(sub)
     return parser
 
 

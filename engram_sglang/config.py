@@ -185,7 +185,7 @@ class EngramConfig:
         """A preset from `configs/NAME.json`, e.g. "deepseek-v4.1-flash"."""
         path = configs_dir() / f"{name}.json"
         if not path.is_file():
-            known = sorted(p.stem for p in configs_dir().glob("*.json"))
+            known = sorted(p.stem for p in configs_dir().glob("*.json") if '"engram_layer_ids"' in p.read_text())
             raise EngramConfigError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
         return cls.from_file(path)
 
