@@ -1,0 +1,161 @@
+"""`gather_dequant`: packed Engram rows by row id -> bf16, one op over five backends.
+
+    torch   the reference (`gather_dequant_ref`, on `rowformat.dequantize`)
+    triton  ops/gather_triton.py, any GPU Triton targets (and the interpreter in tests)
+    cpu     kernels/cpu via ctypes: the shared row decode on the host cores
+    cuda    kernels/cuda via ctypes on the caller's stream
+    hip     kernels/hip via ctypes on the caller's stream
+
+All return the same bf16 bits (NaNs canonical). The op is registered with torch.library
+(`engram::gather_dequant`, and `engram::gather_dequant_out` writing a caller's buffer) with
+fake implementations, so torch.compile traces through it and CUDA graphs capture it: the
+native launches are asynchronous and allocate nothing but the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from ..rowformat import PAYLOAD_BYTES, ROW_BYTES, dequantize
+from . import native, probe
+
+ROW_VALUES = PAYLOAD_BYTES  # bf16 values out per row
+
+
+# ------------------------------------------------------------------ reference
+def gather_dequant_ref(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Torch reference: rows `ids` (any integer dtype, 1-D) of a packed table holding global
+    rows [lo, hi) -> bf16 [n, 256] on ids' device; ids outside [lo, hi) give +0 rows."""
+    idx = ids.reshape(-1).to(device=table.device, dtype=torch.int64)
+    live = (idx >= lo) & (idx < hi)
+    if hi == lo:
+        return torch.zeros((idx.numel(), ROW_VALUES), dtype=torch.bfloat16, device=ids.device)
+    rows = table[(idx - lo).clamp_(0, hi - lo - 1)]
+    out = dequantize(rows)
+    out = torch.where(live[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(ids.device)
+
+
+# ------------------------------------------------------------------ backends
+def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Write out[n, 256] (contiguous bf16) for 1-D contiguous int32/int64 ids."""
+    n = ids.numel()
+    if n == 0:
+        return
+    if backend == "torch":
+        out.copy_(gather_dequant_ref(table, ids, lo, hi))
+    elif backend == "triton":
+        from .gather_triton import gather_dequant_triton
+
+        if table.device != ids.device and table.device.type == "cuda":
+            raise ValueError(f"engram gather: table on {table.device}, ids on {ids.device}")
+        with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+            gather_dequant_triton(table, ids, lo, hi, out)
+    elif backend == "cpu":
+        native.load("cpu").gather(table.data_ptr(), ids.data_ptr(), ids.element_size(), n, lo, hi,
+                                  out.data_ptr(), torch.get_num_threads())
+    elif backend in ("cuda", "hip"):
+        lib = native.load(backend)
+        # The kernel stores 16 bytes at a time: a caller's odd view goes through a copy.
+        target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+        with torch.cuda.device(ids.device):
+            stream = torch.cuda.current_stream(ids.device).cuda_stream
+            lib.gather(table.data_ptr(), ids.data_ptr(), ids.element_size(), n, lo, hi, target.data_ptr(), stream)
+        if target is not out:
+            out.copy_(target)
+    else:
+        raise probe.BackendUnavailableError(f"engram gather: unknown backend {backend!r}")
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return probe.probe(device).backend
+    return probe.probe(device, requested=backend).backend  # raises if it cannot run
+
+
+# ------------------------------------------------------------------ custom ops
+@torch.library.custom_op("engram::gather_dequant", mutates_args=())
+def _gather_dequant_op(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, backend: str) -> torch.Tensor:
+    out = torch.empty((ids.numel(), ROW_VALUES), dtype=torch.bfloat16, device=ids.device)
+    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out)
+    return out
+
+
+@_gather_dequant_op.register_fake
+def _(table, ids, lo, hi, backend):
+    return ids.new_empty((ids.numel(), ROW_VALUES), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("engram::gather_dequant_out", mutates_args=("out",))
+def _gather_dequant_out_op(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, lo: int, hi: int,
+                           backend: str) -> None:
+    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out)
+
+
+@_gather_dequant_out_op.register_fake
+def _(table, ids, out, lo, hi, backend):
+    return None
+
+
+# ------------------------------------------------------------------ public entry
+def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                   row_range: Optional[tuple[int, int]] = None, backend: str = "auto") -> torch.Tensor:
+    """Gather packed Engram rows by global row id and dequantize them to bf16.
+
+    Parameters
+    ----------
+    table : torch.Tensor
+        uint8 [R, 264] packed rows (rowformat), row-major, 8-byte aligned. On the compute
+        device, or in host memory registered with the GPU runtime (read over UVA).
+    ids : torch.Tensor
+        Global row ids of any shape and integer dtype (int32 and int64 pass through; others
+        are widened). Their device is the compute device.
+    out : torch.Tensor, optional
+        bf16 [*ids.shape, 256] on ids' device to write into (e.g. a static buffer in a CUDA
+        graph); allocated when omitted.
+    row_range : (lo, hi), optional
+        The table holds only global rows [lo, hi) (a shard): table row i is global row lo + i,
+        and ids outside the range come back as +0 rows. Default (0, R).
+    backend : str
+        "auto" (the device probe's choice, or $ENGRAM_BACKEND), or one of "torch", "triton",
+        "cpu", "cuda", "hip"; an explicit backend that cannot run raises
+        BackendUnavailableError.
+
+    Returns
+    -------
+    torch.Tensor
+        bf16 [*ids.shape, 256]: value = fp32(e4m3fn) * 2^(e8m0 - 127) rounded once to bf16,
+        every zero +0.0, bit-identical across backends.
+    """
+    if table.dtype != torch.uint8 or table.dim() != 2 or table.shape[1] != ROW_BYTES:
+        raise ValueError(f"engram gather: table must be uint8 [R, {ROW_BYTES}], got {table.dtype} {tuple(table.shape)}")
+    if table.stride(1) != 1 or (table.shape[0] > 1 and table.stride(0) != ROW_BYTES):
+        raise ValueError("engram gather: table rows must be contiguous (packed, 264 bytes apart)")
+    if table.data_ptr() % 8:
+        raise ValueError("engram gather: table must start 8-byte aligned (rows are read 8 bytes at a time)")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"engram gather: ids must be integers, got {ids.dtype}")
+    rows = table.shape[0]
+    lo, hi = (0, rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
+    if not (0 <= lo <= hi) or hi - lo > rows:
+        raise ValueError(f"engram gather: row_range ({lo}, {hi}) does not fit a table of {rows} rows")
+    device = ids.device
+    if table.device != device and not (table.device.type == "cpu" and device.type == "cuda"):
+        raise ValueError(f"engram gather: table on {table.device} cannot serve ids on {device}")
+    flat = ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    flat = flat.contiguous()
+    shape = (*ids.shape, ROW_VALUES)
+    if out is None:
+        return _gather_dequant_op(table, flat, lo, hi, backend).view(shape)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or out.device != device:
+        raise ValueError(f"engram gather: out must be bf16 {list(shape)} on {device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("engram gather: out must be contiguous")
+    _gather_dequant_out_op(table, flat, out.view(-1, ROW_VALUES), lo, hi, backend)
+    return out
