@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -150,28 +151,37 @@ class DiskStore(TableStore):
             self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
             self._map.madvise(mmap.MADV_RANDOM)  # a miss reads its page, not an 8 MiB window
             self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data + DATA_OFFSET
-        self._reads = 0
+        self._read_latencies: deque[float] = deque(maxlen=4096)  # recent calls, for stats()
 
     @property
     def resident_bytes(self) -> int:
         return 0
 
+    def stats(self) -> dict:
+        s = super().stats()
+        lat = np.array(self._read_latencies) if self._read_latencies else np.zeros(1)
+        s.update(reads=len(self._read_latencies), read_ms_p50=1e3 * float(np.percentile(lat, 50)),
+                 read_ms_p99=1e3 * float(np.percentile(lat, 99)), direct=self.direct, threads=self.threads)
+        return s
+
     def _gather(self, ids, out):
         # The ids visit the host once per call: the reads need them there.
         flat = ids.reshape(-1).to("cpu", torch.int64)
         uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: neighbours share pages
-        lo, hi = self.row_range
-        in_shard = (uniq >= lo) & (uniq < hi)
-        wanted = uniq[in_shard].numpy()
+        # Sorted ids: this shard's rows are one slice (boolean masks cost more than the reads).
+        first, end = (int(i) for i in torch.searchsorted(uniq, torch.tensor(self.row_range)))
+        wanted = uniq[first:end].numpy()
         # Staging index of each id; ids outside the shard point one past the staged rows,
         # which the op's row_range turns into +0.0 rows.
-        slot = torch.cumsum(in_shard, 0) - 1
-        slot[~in_shard] = wanted.shape[0]
+        outside = (inverse < first) | (inverse >= end)
+        local = (inverse - first).masked_fill_(outside, wanted.shape[0])
         t0 = time.perf_counter()
         staging = self._read(wanted)
-        METRICS.read(self, wanted.shape[0], time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._read_latencies.append(seconds)
+        METRICS.read(self, wanted.shape[0], seconds)
         table = torch.from_numpy(staging).to(self.device)
-        local = slot[inverse].view(ids.shape).to(self.device)
+        local = local.view(ids.shape).to(self.device)
         rows = _decode(table, local, out, (0, wanted.shape[0]), self.backend)
         METRICS.served(self, ids.numel(), unique=wanted.shape[0])
         return rows, wanted.shape[0]
@@ -189,14 +199,12 @@ class DiskStore(TableStore):
                 f"replaced under the open store; restore it and restart"
             )
         if self._map is not None and rowio.copy_mapped(self._base, wanted, staging, self.threads) < 0:
-            self._reads += 1
             return staging
         # The mapping faulted (I/O error or truncation), or direct I/O: pread reports why.
         err, failed = 0, -1
         for attempt in range(self.retries + 1):
             err, failed = rowio.pread_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads, self.direct)
             if err == 0:
-                self._reads += 1
                 return staging
             logger.warning("engram layer %d: reading %s failed (%s), try %d of %d", self.layer_id, self.path,
                            _strerror(err), attempt + 1, self.retries + 1)
