@@ -4,6 +4,8 @@ from .config import EngramConfig
 from .errors import EngramConfigError, EngramError, TableFormatError, TokenizerMismatchError
 from .hashing import EngramLayout, HashHistory, NgramHasher
 from . import rowformat
+from .ops import gather_dequant, probe
+from .stores import TableStore, open_store
 
 __all__ = [
     "EngramConfig",
@@ -14,6 +16,10 @@ __all__ = [
     "NgramHasher",
     "TableFormatError",
     "TokenizerMismatchError",
+    "TableStore",
+    "gather_dequant",
+    "open_store",
+    "probe",
     "rowformat",
 ]
 __version__ = "0.1.0"
