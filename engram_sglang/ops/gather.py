@@ -72,8 +72,8 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
 
 def _resolve(backend: str, device: torch.device) -> str:
     if backend == "auto":
-        return probe.probe(device).backend
-    return probe.probe(device, requested=backend).backend  # raises if it cannot run
+        return probe.select_backend(device).backend
+    return probe.select_backend(device, requested=backend).backend  # raises if it cannot run
 
 
 # ------------------------------------------------------------------ custom ops
@@ -134,7 +134,8 @@ def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torc
         raise ValueError(f"engram gather: table must be uint8 [R, {ROW_BYTES}], got {table.dtype} {tuple(table.shape)}")
     if table.stride(1) != 1 or (table.shape[0] > 1 and table.stride(0) != ROW_BYTES):
         raise ValueError("engram gather: table rows must be contiguous (packed, 264 bytes apart)")
-    if table.data_ptr() % 8:
+    # (Not while torch.compile traces: there is no pointer then; the launchers check again.)
+    if not torch.compiler.is_compiling() and table.data_ptr() % 8:
         raise ValueError("engram gather: table must start 8-byte aligned (rows are read 8 bytes at a time)")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"engram gather: ids must be integers, got {ids.dtype}")

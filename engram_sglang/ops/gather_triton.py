@@ -63,7 +63,7 @@ def _gather_dequant_kernel(table_ptr, ids_ptr, out_ptr, n, lo, hi, ROWS: tl.cons
     rb = tl.where(nan, 0x7FC0, rb)
     rb = tl.where(rb == 0x8000, 0, rb)
     rb = tl.where(live[:, None, None], rb, 0)
-    offs = r[:, None, None] * ROW_VALUES + (j * 8)[None, :, None] + k[None, None, :]
+    offs = r[:, None, None] * 256 + (j * 8)[None, :, None] + k[None, None, :]
     tl.store(out_ptr + offs, rb.to(tl.int16), mask=rmask[:, None, None])
 
 

@@ -269,19 +269,26 @@ def choose(dev: DeviceInfo, env: Environment, requested: str = "auto") -> Choice
 
 
 # ------------------------------------------------------------------ the cached probe
+def log_choice(choice: Choice, announce: bool = True) -> None:
+    """One line: INFO for the start-up choice, DEBUG for a caller's explicit backend, WARNING
+    when the automatic choice had to fall back from the device's native library."""
+    if choice.degraded:
+        why = dict(choice.rejected).get(choice.device.kind, "")
+        logger.warning("%s (the native %s backend cannot run: %s; falling back)", choice.line(),
+                       choice.device.kind, why)
+    else:
+        logger.log(logging.INFO if announce else logging.DEBUG, "%s", choice.line())
+
+
 @functools.lru_cache(maxsize=None)
 def _probe_cached(device_key: str, requested: str, announce: bool) -> Choice:
     dev = read_device(None if device_key == "default" else device_key)
     choice = choose(dev, current_environment(), requested)
-    if choice.degraded:
-        why = dict(choice.rejected).get(dev.kind, "")
-        logger.warning("%s (the native %s backend cannot run: %s; falling back)", choice.line(), dev.kind, why)
-    else:
-        logger.log(logging.INFO if announce else logging.DEBUG, "%s", choice.line())
+    log_choice(choice, announce)
     return choice
 
 
-def probe(device: Optional[torch.device | str] = None, requested: Optional[str] = None) -> Choice:
+def select_backend(device: Optional[torch.device | str] = None, requested: Optional[str] = None) -> Choice:
     """The backend choice for `device`, read once per device and request, then cached.
 
     `requested` None or "auto" means $ENGRAM_BACKEND if set, else the automatic choice; both
