@@ -1,30 +1,157 @@
 """SGLang plugin entry point (group `sglang.srt.plugins`, name `engram`).
 
 SGLang calls `load()` in every one of its processes (main, scheduler, detokenizer) before
-it parses arguments. It must stay cheap and side-effect free at import: SGLang swallows
-exceptions raised here, so configuration errors are raised where the model and its
-tables are built, never here.
+it parses arguments. Loading stays cheap: nothing heavy is imported here; each patch is
+applied when SGLang itself imports the module it patches (`_after_import`), so a
+detokenizer never pays for the model registry. SGLang swallows exceptions raised while a
+plugin loads, so configuration errors surface where the model and its tables are built.
+
+What it installs:
+* `--engram-*` flags on SGLang's command line (shown by --help), each exported to its
+  `ENGRAM_*` variable for the processes SGLang starts (serving/settings.py);
+* the `Qwen3EngramForCausalLM` architecture in SGLang's model registry;
+* Engram table statistics in the scheduler's internal state (`/server_info` ->
+  `internal_states[i]["engram"]`).
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
+import sys
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
 _loaded = False
+ARCHITECTURE = "Qwen3EngramForCausalLM"
 
 
 def load() -> None:
-    """Install engram-sglang's hooks into this SGLang process (idempotent).
-
-    Registering the Engram model family and taking over DeepSeek-V4.1's table lookup
-    land with the SGLang integration; until then loading only announces the plugin.
-    """
+    """Install engram-sglang's hooks into this SGLang process (idempotent)."""
     global _loaded
     if _loaded:
         return
     _loaded = True
     from . import __version__
 
+    _register_cli_hooks()
+    _after_import("sglang.srt.models.registry", _register_model)
+    _after_import("sglang.srt.managers.scheduler_components.internal_state", _report_internal_state)
     logger.info("engram-sglang %s plugin loaded", __version__)
+
+
+# ----------------------------------------------------------------- command line
+def _register_cli_hooks() -> None:
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:  # an SGLang without the hook registry: ENGRAM_* variables still work
+        logger.warning("engram-sglang: this SGLang has no plugin hook registry; use ENGRAM_* variables, not --engram-*")
+        return
+    HookRegistry.register("sglang.srt.server_args.prepare_server_args", _prepare_server_args, HookType.AROUND)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
+
+
+def _prepare_server_args(original, argv, *args, **kwargs):
+    from .errors import EngramError
+    from .serving.settings import export_flags
+
+    try:
+        export_flags(list(argv))
+    except EngramError as e:
+        print(f"engram-sglang: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return original(argv, *args, **kwargs)
+
+
+def _add_cli_args(result, parser, *args, **kwargs):
+    from .serving.settings import add_arguments
+
+    if "--engram-placement" not in getattr(parser, "_option_string_actions", {}):
+        add_arguments(parser)
+    return result
+
+
+# ------------------------------------------------------------ lazy module patches
+def _register_model(registry_module) -> None:
+    from .models.qwen3_engram import Qwen3EngramForCausalLM
+
+    registry_module.ModelRegistry.models.setdefault(ARCHITECTURE, Qwen3EngramForCausalLM)
+
+
+def _report_internal_state(module) -> None:
+    controller = module.SchedulerInternalStateController
+    original = controller.get_internal_state
+
+    def get_internal_state(self, recv_req):
+        out = original(self, recv_req)
+        from .serving.runtime import active_runtimes
+
+        runtimes = active_runtimes()
+        if runtimes and isinstance(getattr(out, "internal_state", None), dict):
+            out.internal_state["engram"] = runtimes[0].stats()
+        return out
+
+    get_internal_state.__wrapped__ = original
+    controller.get_internal_state = get_internal_state
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then the patch; everything else goes to the real loader."""
+
+    def __init__(self, loader, patch: Callable):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _apply(self._patch, module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.patches: dict[str, Callable] = {}
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            del self.patches[name]
+            spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+_FINDER = _AfterImportFinder()
+
+
+def _apply(patch: Callable, module) -> None:
+    try:
+        patch(module)
+        logger.debug("engram-sglang patched %s", module.__name__)
+    except Exception:  # a broken patch must not break SGLang's import; say so loudly
+        logger.exception("engram-sglang: patching %s failed", module.__name__)
+
+
+def _after_import(module_name: str, patch: Callable) -> None:
+    """Apply `patch(module)` once `module_name` is imported (now, if it already is)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        _apply(patch, module)
+        return
+    _FINDER.patches[module_name] = patch
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

@@ -1,0 +1,1 @@
+"""Model classes of the Qwen3 + Engram family: the SGLang class and the PyTorch reference."""

@@ -1,0 +1,1 @@
+"""Serving the Engram model family with real SGLang: settings, history, runtime, launcher."""

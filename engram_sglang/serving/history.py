@@ -1,0 +1,78 @@
+"""Step hashing with the per-request history that SGLang's scheduler keeps.
+
+SGLang 0.5.23 maintains Engram history only for models holding an upstream `EngramHasher`
+(`ngram_embedding_manager.NgramEmbeddingManager`): it finds that module, calls
+`init_history(req_slots, device)`, refills `forward_batch.engram_history` for every
+extend batch from each request's fill ids (so chunked prefill, radix-cache prefix hits,
+retraction and P/D handoff all see the right predecessors), and commits the accepted
+tokens after speculative verification through `commit_after_verify`. `StepHasher` is
+such a module: SGLang does the bookkeeping, our NgramHasher does the hashing, and the
+history rows keep upstream's layout (int32 [slots + 1, n - 1], raw ids, oldest first; the
+extra row absorbs commits of padded graph rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from sglang.srt.layers.engram import EngramHasher
+
+from ..errors import EngramError
+
+
+class StepHasher(EngramHasher):
+    """Row ids [T, n_layers, C] of a forward batch; commits each request's newest n-1 tokens.
+
+    Built from our NgramHasher (upstream's constructor, which rebuilds the token map from
+    the tokenizer, is not run). `corrupt_history` is a negative control for tests: it
+    hashes with empty history, as a scheduler that lost track would.
+    """
+
+    def __init__(self, hasher, *, corrupt_history: bool = False):
+        nn.Module.__init__(self)
+        self.ngram = hasher
+        self.max_ngram_size = hasher.n
+        self.image_token_id = None
+        self.history = None
+        self.pad_row = 0
+        self.corrupt_history = corrupt_history
+
+    def forward(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """(row ids [T, L, C], request slot of each token [T], mode name)."""
+        if self.history is None:
+            raise EngramError("engram history was not set up: SGLang did not find the model's Engram hasher "
+                              "(is engram_layer_ids in config.json?)")
+        n = self.max_ngram_size
+        mode = forward_batch.forward_mode
+        T = input_ids.shape[0]
+        device = input_ids.device
+        n_layers, cols = self.ngram.multipliers.shape[0], self.ngram.offsets.shape[1]
+        slots = forward_batch.req_pool_indices.to(torch.int64)
+        if T == 0 or mode.is_idle():
+            empty = torch.zeros(T, n_layers, cols, dtype=torch.int64, device=device)
+            return empty, torch.zeros(T, dtype=torch.int64, device=device), "idle"
+        if mode.is_decode():
+            lens = torch.ones_like(slots)
+            history = self.history[slots]
+            name = "decode"
+        elif mode.is_extend() and not mode.is_target_verify():
+            lens = forward_batch.extend_seq_lens.to(torch.int64)
+            given = forward_batch.engram_history
+            history = self.history[slots] if given is None else given
+            name = "extend"
+        else:
+            raise EngramError(f"the Qwen3 Engram family serves extend and decode steps, not {mode.name} "
+                              f"(speculative decoding is not supported yet)")
+        if self.corrupt_history:
+            history = torch.zeros_like(history)
+        token_req = torch.repeat_interleave(slots, lens, output_size=T)
+        ids, windows = self.ngram.hash_batch(input_ids, forward_batch.positions, history, lens)
+        # Commit each request's newest n-1 tokens; requests without tokens and padded
+        # graph rows (out_cache_loc 0) write the spare row instead.
+        last = (torch.cumsum(lens, 0) - 1).clamp(0, T - 1)
+        rows = torch.where(lens > 0, slots, self.pad_row)
+        out_loc = forward_batch.out_cache_loc
+        if out_loc is not None and out_loc.numel() == T:
+            rows = torch.where(out_loc[last] == 0, self.pad_row, rows)
+        self.history[rows] = windows[last, : n - 1].flip(-1).to(self.history.dtype)
+        return ids, token_req, name

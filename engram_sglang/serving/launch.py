@@ -1,0 +1,194 @@
+"""Start and stop a real `sglang.launch_server` (the demo, the tests and bench/serve.py use it).
+
+On a machine without a GPU it adds what SGLang 0.5.23 needs to serve on the CPU
+(docs: ../shared/docs/sglang-on-cpu.md): SGLANG_USE_CPU_ENGINE=1, `--device cpu
+--attention-backend torch_native`, and the pure-torch `sgl_kernel` stand-in
+(`cpu_shim/`) first on PYTHONPATH, for that process tree only. The server runs in its own
+process group, so stopping it leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import EngramError
+
+CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
+
+
+class ServerError(EngramError):
+    """The server did not start, or died."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+class Server:
+    """One `python -m sglang.launch_server` process tree.
+
+    Parameters
+    ----------
+    model_path : the model directory.
+    engram : `--engram-*` flags without the prefix, e.g. {"placement": "disk"}.
+    args : further SGLang flags.
+    max_total_tokens : bounds the KV cache (SGLang would otherwise take most of the RAM).
+    log_path : where the server's output goes (default: a file beside the model).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, engram: Optional[dict] = None, args: Sequence[str] = (),
+                 max_total_tokens: int = 8192, port: Optional[int] = None, log_path: Optional[str | os.PathLike] = None,
+                 env: Optional[dict] = None):
+        self.model_path = str(model_path)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else Path(self.model_path).parent / f"sglang-{self.port}.log"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+               "--port", str(self.port), "--skip-server-warmup", "--max-total-tokens", str(max_total_tokens)]
+        self.env = dict(os.environ)
+        if not has_gpu():
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
+            self.env["SGLANG_USE_CPU_ENGINE"] = "1"
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SHIM), self.env.get("PYTHONPATH")]))
+        for key, value in (engram or {}).items():
+            cmd += [f"--engram-{key.replace('_', '-')}", str(value)]
+        self.cmd = cmd + list(args)
+        self.env.update(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 300) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServerError(self.failure_line())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"sglang did not become ready in {timeout:.0f} s (log: {self.log_path})")
+
+    def failure_line(self) -> str:
+        """The line that says why start-up failed: engram-sglang's own, else the last error."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        lines = text.splitlines()
+        ours = [ln for ln in lines if "engram-sglang: " in ln]
+        if ours:
+            return ours[-1][ours[-1].index("engram-sglang: "):]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        tail = errors[-1] if errors else (lines[-1] if lines else "no output")
+        return f"sglang exited during start-up: {tail.strip()} (log: {self.log_path})"
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- requests
+    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"POST {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
+
+    def get(self, path: str, timeout: float = 60) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, prompt, max_new_tokens: int = 16, **extra) -> dict:
+        """Greedy completion of one prompt (text, or a list of token ids)."""
+        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}, **extra}
+        body["input_ids" if isinstance(prompt, list) else "text"] = prompt
+        return self.post("/generate", body)
+
+    def engram_stats(self) -> dict:
+        info = self.get("/server_info")
+        states = info.get("internal_states") or [{}]
+        return states[0].get("engram", {})
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Zombies count as gone: only the group's live members matter.
+    for pid in _group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out

@@ -1,0 +1,208 @@
+"""What an Engram model needs at serving time, behind one object: `EngramRuntime`.
+
+Per forward step: hash every token (decode look-backs from the per-request history that
+SGLang's scheduler keeps, see `history.py`), issue every Engram layer's gather at once
+(`TableStore.prefetch`), and hand each Engram layer its rows when it asks (`rows`, which
+waits on that layer's own handle). The tables sit wherever the placement says; the model
+never knows. Also: the start-up line per table, the per-step trace for tests, and the
+statistics SGLang's /server_info reports (`internal_states[i]["engram"]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import EngramConfig
+from ..errors import EngramError
+from ..rowformat import bf16_bits
+from .settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+# Live runtimes of this process (the scheduler's), for the /server_info hook.
+_RUNTIMES: "weakref.WeakSet[EngramRuntime]" = weakref.WeakSet()
+
+
+def active_runtimes() -> list["EngramRuntime"]:
+    return list(_RUNTIMES)
+
+
+def resolve_table_dir(settings: ServeSettings, model_path: Optional[str]) -> Path:
+    if settings.table_dir:
+        return Path(settings.table_dir)
+    if model_path:
+        return Path(model_path) / "engram_tables"
+    raise EngramError("no Engram table directory: set --engram-table-dir (or ENGRAM_TABLE_DIR)")
+
+
+@dataclasses.dataclass
+class EngramStep:
+    """One forward step's lookups."""
+
+    hash_ids: torch.Tensor  # int64 [T, n_layers, C]
+    token_req: torch.Tensor  # int64 [T]: each token's request slot
+    positions: torch.Tensor  # int64 [T]
+    input_ids: torch.Tensor
+    mode: str
+    handles: dict  # layer id -> Prefetch (or None when prefetch is off)
+    rows: dict = dataclasses.field(default_factory=dict)  # layer id -> rows the layer used
+    wait_seconds: float = 0.0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class EngramRuntime:
+    """Stores, hasher and step bookkeeping of one model (one per TP rank).
+
+    Parameters
+    ----------
+    cfg : the model's Engram config (tables must have been built for it).
+    hasher : an NgramHasher for the served tokenizer.
+    settings : placement, table directory, options (ServeSettings).
+    device : where rows are returned (the model's device).
+    """
+
+    def __init__(self, cfg: EngramConfig, hasher, settings: ServeSettings, table_dir: Path, device: torch.device,
+                 tp_rank: int = 0, tp_size: int = 1):
+        from ..stores import open_store
+
+        self.cfg, self.hasher, self.settings = cfg, hasher, settings
+        self.device, self.tp_rank, self.tp_size = torch.device(device), tp_rank, tp_size
+        self.table_dir = table_dir
+        self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
+                                 tp_size=tp_size, backend=settings.backend, **settings.store_options())
+        self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
+        self._trace = _TraceWriter(settings.trace) if settings.trace else None
+        self._lock = threading.Lock()
+        self._steps = self._tokens = 0
+        self._forward_seconds = self._engram_seconds = self._wait_seconds = 0.0
+        self._layer_seconds, self._layer_calls = 0.0, 0
+        self._stats_path = Path(settings.stats_file) if settings.stats_file else None
+        self._stats_written = 0.0
+        if settings.debug:
+            logger.warning("engram-sglang DEBUG controls on (%s): outputs are deliberately wrong",
+                           ", ".join(settings.debug))
+        _RUNTIMES.add(self)
+
+    # ------------------------------------------------------------------ per step
+    def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
+              input_ids: torch.Tensor, mode: str) -> EngramStep:
+        """Issue every layer's gather for this step's hash ids [T, L, C]."""
+        handles = {}
+        if self.settings.prefetch and hash_ids.shape[0]:
+            for L, i in self.layer_index.items():
+                handles[L] = self.stores[L].prefetch(hash_ids[:, i])
+        return EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
+
+    def rows(self, step: EngramStep, layer_id: int) -> torch.Tensor:
+        """bf16 rows [T, C, 256] of Engram layer `layer_id` for this step."""
+        i = self.layer_index[layer_id]
+        ids = step.hash_ids[:, i]
+        t0 = time.perf_counter()
+        handle = step.handles.get(layer_id)
+        if "skip-wait" in self.settings.debug:
+            # Negative control: read the row buffer before the gather has filled it.
+            rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+            if handle is not None:
+                handle.wait()
+        elif handle is not None:
+            rows = handle.wait()
+        else:
+            rows = self.stores[layer_id].gather(ids) if ids.shape[0] else torch.zeros(
+                *ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+        step.wait_seconds += time.perf_counter() - t0
+        if self.tp_size > 1:
+            from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+            # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
+            rows = tensor_model_parallel_all_reduce(rows)
+        if self._trace is not None:
+            step.rows[layer_id] = rows
+        return rows
+
+    def end(self, step: EngramStep, engram_seconds: float, layer_seconds: float, layer_calls: int) -> None:
+        """Account the step; write the trace line and (throttled) the stats file."""
+        now = time.perf_counter()
+        with self._lock:
+            self._steps += 1
+            self._tokens += int(step.hash_ids.shape[0])
+            self._forward_seconds += now - step.started
+            self._engram_seconds += engram_seconds
+            self._wait_seconds += step.wait_seconds
+            self._layer_seconds += layer_seconds
+            self._layer_calls += layer_calls
+        if self._trace is not None and self.tp_rank == 0 and step.hash_ids.shape[0]:
+            self._trace.write(step, self.cfg.layer_ids)
+        if self._stats_path is not None and now - self._stats_written > 0.2:
+            self._stats_written = now
+            self.write_stats()
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> dict:
+        with self._lock:
+            steps = max(self._steps, 1)
+            out = {
+                "placement": self.settings.placement,
+                "table_dir": str(self.table_dir),
+                "prefetch": self.settings.prefetch,
+                "steps": self._steps,
+                "tokens": self._tokens,
+                "forward_seconds_per_step": self._forward_seconds / steps,
+                "engram_seconds_per_step": self._engram_seconds / steps,
+                "wait_seconds_per_step": self._wait_seconds / steps,
+                "layer_seconds": self._layer_seconds / max(self._layer_calls, 1),
+            }
+        out["tables"] = [self.stores[L].stats() for L in self.cfg.layer_ids]
+        return out
+
+    def write_stats(self) -> None:
+        if self._stats_path is None:
+            return
+        tmp = self._stats_path.with_name(self._stats_path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.stats(), indent=1))
+        os.replace(tmp, self._stats_path)
+
+    def describe(self) -> list[str]:
+        return [self.stores[L].describe() for L in self.cfg.layer_ids]
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+
+def row_checksums(rows: torch.Tensor) -> list[int]:
+    """Per-token sum of the bf16 bit patterns (NaNs canonical) of rows [T, C, 256]."""
+    return bf16_bits(rows).to(torch.int64).reshape(rows.shape[0], -1).sum(-1).tolist()
+
+
+class _TraceWriter:
+    """One JSON line per step: per token its request slot, position, token id, and per
+    Engram layer its hash ids and the checksum of the rows the layer used."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.step = 0
+
+    def write(self, step: EngramStep, layer_ids) -> None:
+        line = {
+            "step": self.step,
+            "pid": os.getpid(),
+            "mode": step.mode,
+            "req": step.token_req.tolist(),
+            "pos": step.positions.tolist(),
+            "tok": step.input_ids.tolist(),
+            "ids": {str(L): step.hash_ids[:, i].tolist() for i, L in enumerate(layer_ids)},
+            "sum": {str(L): row_checksums(step.rows[L]) for L in layer_ids if L in step.rows},
+        }
+        self.step += 1
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")

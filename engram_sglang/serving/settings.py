@@ -1,0 +1,155 @@
+"""Serving settings: `--engram-*` SGLang flags, `ENGRAM_*` environment variables as fallback.
+
+SGLang keeps only its own ServerArgs fields, and its scheduler runs in other processes, so
+the plugin turns each `--engram-*` flag into its `ENGRAM_*` variable in the launching
+process (children inherit the environment); the model reads `ServeSettings.from_env()`
+where it is built. Every knob, its variable and its default is in `KNOBS` (and the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+from ..errors import EngramConfigError
+
+PLACEMENTS = ("device", "host", "disk")
+DEBUG_KNOBS = ("corrupt-history", "skip-wait")
+_TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    flag: str  # without the leading "--engram-"
+    kind: str  # "str", "int", "bool", "choice", "list"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return "ENGRAM_" + self.flag.upper().replace("-", "_")
+
+    @property
+    def field(self) -> str:
+        return self.flag.replace("-", "_")
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("table-dir", "str", None, "packed table directory (default: MODEL_PATH/engram_tables)"),
+    Knob("placement", "choice", "device", "where the tables live: device memory, host memory, or disk",
+         PLACEMENTS),
+    Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
+    Knob("host-shared", "bool", False, "host placement: one copy per node in /dev/shm instead of one per rank"),
+    Knob("shm-dir", "str", "/dev/shm", "host placement: where the shared copy lives"),
+    Knob("huge-pages", "bool", True, "host placement: back the table with transparent huge pages"),
+    Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
+    Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
+    Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
+    Knob("prefetch", "bool", True, "gather every Engram layer's rows at the start of the step (off: gather "
+         "inside each Engram layer)"),
+    Knob("trace", "str", None, "append one JSON line per step (hash ids and row checksums per token) to this file"),
+    Knob("stats-file", "str", None, "keep table statistics (JSON) up to date in this file"),
+    Knob("debug", "list", (), "negative controls for tests only: corrupt-history, skip-wait", DEBUG_KNOBS),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    table_dir: Optional[str] = None
+    placement: str = "device"
+    backend: str = "auto"
+    host_shared: bool = False
+    shm_dir: str = "/dev/shm"
+    huge_pages: bool = True
+    disk_threads: int = 64
+    disk_direct: bool = False
+    disk_retries: int = 2
+    prefetch: bool = True
+    trace: Optional[str] = None
+    stats_file: Optional[str] = None
+    debug: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
+        """Read every ENGRAM_* variable; a bad value raises EngramConfigError (one line)."""
+        env = os.environ if env is None else env
+        values = {}
+        for knob in KNOBS:
+            raw = env.get(knob.env)
+            if raw is not None:
+                values[knob.field] = _parse(knob, raw)
+        return cls(**values)
+
+    def store_options(self) -> dict:
+        """open_store's options for this placement."""
+        if self.placement == "host":
+            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages}
+        if self.placement == "disk":
+            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries}
+        return {}
+
+
+def _parse(knob: Knob, raw: str) -> Any:
+    where = f"{knob.env} (--engram-{knob.flag})"
+    value = raw.strip()
+    if knob.kind == "str":
+        return value or None
+    if knob.kind == "int":
+        try:
+            n = int(value)
+        except ValueError:
+            raise EngramConfigError(f"{where} must be an integer, got {raw!r}") from None
+        if n < 0 or (knob.flag == "disk-threads" and n < 1):
+            raise EngramConfigError(f"{where} must be {'>= 1' if knob.flag == 'disk-threads' else '>= 0'}, got {n}")
+        return n
+    if knob.kind == "bool":
+        low = value.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise EngramConfigError(f"{where} must be on/off (1/0, true/false), got {raw!r}")
+    if knob.kind == "choice":
+        if value not in knob.choices:
+            raise EngramConfigError(f"{where} must be one of {', '.join(knob.choices)}, got {raw!r}")
+        return value
+    items = tuple(x.strip() for x in value.split(",") if x.strip())
+    bad = [x for x in items if x not in knob.choices]
+    if bad:
+        raise EngramConfigError(f"{where}: unknown value(s) {', '.join(bad)}; known: {', '.join(knob.choices)}")
+    return items
+
+
+# ------------------------------------------------------------------ command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--engram-*` flags, as a group of an (SGLang) argument parser."""
+    group = parser.add_argument_group("engram-sglang", "Engram tables (each flag also reads ENGRAM_* from the environment)")
+    for knob in KNOBS:
+        default = knob.default if not isinstance(knob.default, tuple) else ",".join(knob.default)
+        kwargs: dict = {"dest": "engram_" + knob.field, "default": None,
+                        "help": f"{knob.help} [env {knob.env}; default {default if default not in (None, '') else 'none'}]"}
+        if knob.kind == "bool":
+            kwargs.update(nargs="?", const="1", metavar="on|off")
+        elif knob.kind == "choice":
+            kwargs.update(choices=knob.choices)
+        group.add_argument(f"--engram-{knob.flag}", **kwargs)
+
+
+def export_flags(argv: list[str]) -> dict[str, str]:
+    """Parse the `--engram-*` flags out of argv, check them, and put each into its ENGRAM_*
+    variable for every process SGLang starts. Returns what was set. Raises
+    EngramConfigError on a bad value."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    known, _ = parser.parse_known_args(argv)
+    exported = {}
+    for knob in KNOBS:
+        value = getattr(known, "engram_" + knob.field)
+        if value is not None:
+            exported[knob.env] = str(value)
+    ServeSettings.from_env({**os.environ, **exported})  # refuse bad values before anything starts
+    os.environ.update(exported)
+    return exported
