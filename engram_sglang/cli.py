@@ -42,7 +42,7 @@ def _cmd_inspect(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.workdir)
+    return run_demo(args.workdir, placement=args.placement)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
     p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")
+    p.add_argument("--placement", default="disk", choices=("device", "host", "disk"),
+                   help="where the served demo model's tables live (default: disk)")
     p.set_defaults(func=_cmd_demo)
 
     from . import planner

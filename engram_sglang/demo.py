@@ -1,9 +1,10 @@
-"""The built-in demo (`make demo`): the Engram core on real files, end to end on this machine.
+"""The built-in demo (`make demo`): real SGLang serving an Engram model on this machine.
 
-Shows DeepSeek-V4.1-Flash's table layout and sizes, then builds a small Engram model's
-tables (a tokenizer trained here on text the machine has, quantized rows from a fixed
-seed), writes and verifies the packed table files, hashes a prompt by prefill + decode
-steps with per-request history, and reads the rows it addresses.
+Shows DeepSeek-V4.1-Flash's table layout and sizes, builds the small Qwen3 + Engram demo
+model once (demo_model.py: a tokenizer trained here on text the machine has, weights from
+a fixed seed, packed tables), serves it with `sglang.launch_server` with its tables on
+disk, completes a few prompts over HTTP, prints the completions and the table
+statistics, checks the completions against the PyTorch reference forward, and stops.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 import torch
 
 from .config import EngramConfig
-from .hashing import EngramLayout, HashHistory, NgramHasher
-from .rowformat import ROW_BYTES, quantize
+from .hashing import EngramLayout
+from .rowformat import ROW_BYTES
 
 # Prose with accents, mixed scripts and whitespace runs: normalization has work to do.
 DEMO_PROSE = (
@@ -24,8 +25,6 @@ DEMO_PROSE = (
     "日本語のテキストと中文文本，还有 한국어 텍스트. Ελληνικά κείμενα. Русский текст.\r\n"
     "ﬁ ligatures, ① circled, ＦＵＬＬＷＩＤＴＨ letters, e\u0301 combining accents. "
 )
-DEMO_SEED = 1234
-
 
 def demo_corpus(limit_chars: int = 400_000) -> list[str]:
     """Text available offline: the prose above and Python's own standard library sources."""
@@ -78,60 +77,77 @@ def print_deepseek_layout() -> None:
           f"decode batch 256: {256 * per_token / 1e6:.1f} MB per step")
 
 
-def build_demo_tables(workdir: Path):
-    """Tokenizer, config and packed tables of the small demo model (rebuilt each run: ~5 s)."""
-    from .hashing import compressed_token_map
-    from .tablefile import write_tables
+def demo_model(workdir: Path) -> tuple[Path, bool]:
+    """The demo model in `workdir/model`, built once (rebuilt when its generator changed)."""
+    import hashlib
 
-    tokenizer = train_tokenizer(demo_corpus())
-    _, size = compressed_token_map(tokenizer)
-    cfg = EngramConfig(
-        layer_ids=(1, 3), max_ngram_size=4, n_heads=4, head_dim=256, vocab_size=4099,
-        compressed_vocab_size=size, pad_token_id=tokenizer.pad_token_id, hidden_size=256,
-        source="demo model",
-    )
-    layout = EngramLayout(cfg)
-    gen = torch.Generator().manual_seed(DEMO_SEED)
-    tables = {L: quantize(torch.randn(layout.rows(L), cfg.head_dim, generator=gen)) for L in cfg.layer_ids}
-    out = write_tables(workdir / "tables", cfg, tables, progress=False)
-    return tokenizer, cfg, out
+    from . import demo_model as generator
+
+    model_dir = workdir / "model"
+    stamp = model_dir / ".engram-demo-stamp"
+    want = hashlib.sha256(Path(generator.__file__).read_bytes()).hexdigest()[:16]
+    if stamp.is_file() and stamp.read_text() == want:
+        return model_dir, False
+    generator.build_demo_model(model_dir, overwrite=True)
+    stamp.write_text(want)
+    return model_dir, True
 
 
-def run_demo(workdir: str | os.PathLike = "build/demo") -> int:
-    from .tablefile import inspect_tables, open_tables, verify_tables
-    from . import rowformat
+def run_demo(workdir: str | os.PathLike = "build/demo", placement: str = "disk", max_new_tokens: int = 24) -> int:
+    """Build the demo model once, serve it with real `sglang.launch_server` (tables on disk
+    by default), complete the demo prompts over HTTP, print the completions and the table
+    statistics, check them against the PyTorch reference forward, and stop the server."""
+    from .demo_model import DEMO_PROMPTS, TABLE_DIR_NAME
+    from .models.reference import ReferenceModel
+    from .serving.launch import Server
+    from .tablefile import inspect_tables, verify_tables
 
     workdir = Path(workdir)
     print_deepseek_layout()
     print()
     t0 = time.perf_counter()
-    tokenizer, cfg, table_dir = build_demo_tables(workdir)
+    model_dir, built = demo_model(workdir)
+    table_dir = model_dir / TABLE_DIR_NAME
+    cfg = EngramConfig.from_pretrained(model_dir)
     verify_tables(table_dir, cfg, progress=False)
+    print(f"demo model {model_dir}: {'built' if built else 'reused'} and verified in {time.perf_counter() - t0:.1f} s")
     print(inspect_tables(table_dir))
-    print(f"  built and verified in {time.perf_counter() - t0:.1f} s")
-    tables = open_tables(table_dir, cfg)
-    hasher = NgramHasher.from_tokenizer(cfg, tokenizer)
 
-    prompt = "Engram rows are fetched before the layer that needs them."
-    ids = tokenizer(prompt)["input_ids"]
-    prefill, decode = ids[:-4], ids[-4:]
-    print(f"\nprompt: {prompt!r} -> {len(ids)} tokens; prefill {len(prefill)}, then {len(decode)} decode steps")
-    history = HashHistory(num_slots=4, max_ngram_size=cfg.max_ngram_size)
-    slot = torch.tensor([0])
-    row_ids, windows = hasher.hash_batch(
-        torch.tensor(prefill), torch.arange(len(prefill)), history.rows(slot), torch.tensor([len(prefill)])
-    )
-    history.commit(slot, windows, torch.tensor([len(prefill) - 1]))
-    steps = [row_ids]
-    for pos, tok in enumerate(decode, start=len(prefill)):
-        step_ids, windows = hasher.hash_batch(torch.tensor([tok]), torch.tensor([pos]), history.rows(slot), torch.tensor([1]))
-        history.commit(slot, windows, torch.tensor([0]))
-        steps.append(step_ids)
-    all_ids = torch.cat(steps)
-    same = torch.equal(all_ids, hasher.hash_sequence(ids))
-    print(f"row ids [{', '.join(map(str, all_ids.shape))}]; prefill+decode equals one-shot hashing: {same}")
-    for i, layer_id in enumerate(cfg.layer_ids):
-        rows = rowformat.dequantize(torch.from_numpy(tables[layer_id][all_ids[:, i].reshape(-1).numpy()]))
-        checksum = int(rows.view(torch.int16).to(torch.int64).sum())
-        print(f"  layer {layer_id}: gathered {rows.shape[0]} rows -> bf16 {tuple(rows.shape)}, bit checksum {checksum}")
-    return 0 if same else 1
+    print(f"\nserving it with sglang.launch_server, Engram tables placement {placement} ...")
+    t0 = time.perf_counter()
+    server = Server(model_dir, engram={"placement": placement}, max_total_tokens=4096,
+                    log_path=workdir / "sglang.log")
+    with server:
+        print(f"  ready in {time.perf_counter() - t0:.1f} s at {server.url} (log: {server.log_path})")
+        t0 = time.perf_counter()
+        outputs = [server.generate(p, max_new_tokens) for p in DEMO_PROMPTS]
+        seconds = time.perf_counter() - t0
+        for prompt, out in zip(DEMO_PROMPTS, outputs):
+            print(f"  {prompt!r} -> {out['text']!r}")
+        tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+        print(f"  {len(outputs)} requests, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.0f} tokens/s, one at a time)")
+        stats = server.engram_stats()
+    print("  server stopped")
+
+    print("\nEngram table statistics (from /server_info):")
+    print(f"  {stats['steps']} forward steps, {stats['tokens']} tokens; per step: forward "
+          f"{stats['forward_seconds_per_step'] * 1e3:.2f} ms, Engram layers {stats['engram_seconds_per_step'] * 1e3:.2f} ms "
+          f"(waiting for rows {stats['wait_seconds_per_step'] * 1e3:.3f} ms), one decoder layer "
+          f"{stats['layer_seconds'] * 1e3:.2f} ms")
+    for t in stats["tables"]:
+        print(f"  layer {t['layer_id']}: {t['placement']}, {t['calls']} gathers, {t['rows_served']:,} rows "
+              f"({t['bytes_served'] / 1e6:.2f} MB packed), {t['unique_rows']:,} distinct per call, "
+              f"{t['gather_seconds'] * 1e3:.1f} ms gathering, {t['resident_bytes'] / 2**20:.1f} MiB resident")
+
+    reference = ReferenceModel(model_dir, table_dir)
+    off = ReferenceModel(model_dir, table_dir, engram_scale=0.0, tokenizer=reference.tokenizer)
+    same = changed = 0
+    for prompt, out in zip(DEMO_PROMPTS, outputs):
+        ids = reference.tokenizer(prompt)["input_ids"]
+        want, _ = reference.generate(ids, max_new_tokens)
+        without, _ = off.generate(ids, max_new_tokens)
+        same += want == out["output_ids"]
+        changed += without != want
+    print(f"\nPyTorch reference forward gives the same tokens for {same} of {len(outputs)} prompts; "
+          f"with Engram switched off {changed} of {len(outputs)} completions change")
+    return 0 if same == len(outputs) else 1

@@ -45,14 +45,12 @@ ORDER_WEIGHT = {2: 0.5, 3: 1.0, 4: 1.5}  # longer n-grams are more specific: mor
 CONV_STD = 0.5  # the short conv moves the output visibly (so a wrong conv state shows)
 
 DEMO_PROMPTS = (
-    "import os\nimport sys\n",
-    "def __init__(self, ",
+    "def __init__(self",
     "    for i in range(",
-    "if __name__ == '__main__':\n",
-    "class ",
     "        raise ValueError(",
     "Café naïve",
     "    return self.",
+    "def read(self, size=-1):",
 )
 
 
@@ -190,3 +188,24 @@ def build_demo_model(out_dir: str | os.PathLike, *, overwrite: bool = False, pro
     write_tables(out / TABLE_DIR_NAME, cfg, tables, progress=progress)
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}) + "\n")
     return out
+
+
+# ------------------------------------------------------------------------- CLI
+def add_parser(subparsers) -> None:
+    """`engram-sglang demo-model DIR`: the subcommand, for cli.build_parser."""
+    p = subparsers.add_parser("demo-model", help="build the small Qwen3 + Engram demo model locally (no downloads)")
+    p.add_argument("out_dir", help="model directory to write (config, weights, tokenizer, engram_tables/)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty directory")
+    p.set_defaults(func=_cmd_demo_model)
+
+
+def _cmd_demo_model(args) -> int:
+    import time
+
+    from .tablefile import inspect_tables
+
+    t0 = time.perf_counter()
+    out = build_demo_model(args.out_dir, overwrite=args.overwrite)
+    print(f"demo model written to {out} in {time.perf_counter() - t0:.1f} s")
+    print(inspect_tables(out / TABLE_DIR_NAME))
+    return 0
