@@ -1,0 +1,180 @@
+"""gather_dequant bandwidth of each backend against the same-run memory limit.
+
+On this kind of machine (no GPU): the host library (`cpu`, all cores and one core) and the
+torch reference, on model-shaped id batches (decode 256 x 24, prefill 8192 x 24; shapes
+imported from tests/test_gather.py), uniform and Zipf-skewed ids, against the same-run memcpy
+bandwidth. Bytes moved per row: 264 read + 512 written; the "lines" column counts the five
+64-byte lines a row touches instead of its 264 bytes.
+
+On a GPU: bench/gpu_check.py's bandwidth part (HBM and registered host memory, against the
+same-run device copy and host-to-device bandwidth, upstream SGLang alongside when available).
+
+    python bench/gather.py [--rows 2000000] [--calls 20]
+Writes bench/out/gather.json and bench/out/gather.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
+from test_gather import DECODE_IDS, PREFILL_IDS  # noqa: E402
+
+from engram_sglang import rowformat  # noqa: E402
+from engram_sglang.ops import gather_dequant, native  # noqa: E402
+
+READ, WRITTEN, LINES = rowformat.ROW_BYTES, 2 * rowformat.PAYLOAD_BYTES, 5 * 64
+
+
+def realistic_table(rows: int, seed: int = 0) -> torch.Tensor:
+    """Rows quantized from Gaussian data by the OCP MX rule (scales and codes as real tables
+    have them), 64 Ki distinct rows tiled to `rows`."""
+    gen = torch.Generator().manual_seed(seed)
+    distinct = rowformat.quantize(torch.randn((1 << 16, 256), generator=gen) * 0.02)
+    table = torch.empty((rows, rowformat.ROW_BYTES), dtype=torch.uint8)
+    for lo in range(0, rows, distinct.shape[0]):
+        hi = min(rows, lo + distinct.shape[0])
+        table[lo:hi] = distinct[: hi - lo]
+    return table
+
+
+def id_batches(shape, rows: int, dist: str, count: int, seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    if dist == "uniform":
+        return [torch.from_numpy(rng.integers(0, rows, n)).view(shape) for _ in range(count)]
+    # Zipf-skewed: hot n-grams recur; hot rows scattered over the table.
+    perm = rng.permutation(rows)
+    return [torch.from_numpy(perm[(rng.zipf(1.2, n) - 1) % rows]).view(shape) for _ in range(count)]
+
+
+def torch_copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
+    """torch's own copy (all intra-op threads), bytes read + written per second."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def time_calls(fn, batches) -> float:
+    """Best seconds per call over distinct id batches (the first call warms up)."""
+    fn(batches[0])
+    best = float("inf")
+    for ids in batches:
+        t0 = time.perf_counter()
+        fn(ids)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cpu_bench(args) -> dict:
+    threads = torch.get_num_threads()
+    print(f"table: {args.rows:,} rows ({args.rows * READ / 2**30:.2f} GiB), {threads} threads", flush=True)
+    table = realistic_table(args.rows)
+    lib, why = native.try_load("cpu")
+    if lib is None:
+        print(f"host library unavailable ({why}): only the torch reference runs")
+    limits = {"memcpy_1_thread": memcpy_bandwidth(512 << 20), "memcpy_torch": torch_copy_bandwidth()}
+    results = []
+    for batch, shape in (("decode", DECODE_IDS), ("prefill", PREFILL_IDS)):
+        for dist in ("uniform", "zipf"):
+            count = args.calls if batch == "decode" else max(3, args.calls // 4)
+            batches = id_batches(shape, args.rows, dist, count, seed=len(results))
+            out = torch.empty((*shape, 256), dtype=torch.bfloat16)
+            runs = {}
+            if lib is not None:
+                runs[f"cpu x{threads}"] = lambda ids: gather_dequant(table, ids, out=out, backend="cpu")
+
+                def one_thread(ids):
+                    lib.gather(table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, args.rows, out.data_ptr(), 1)
+
+                runs["cpu x1"] = one_thread
+            runs["torch"] = lambda ids: gather_dequant(table, ids, backend="torch")
+            for name, fn in runs.items():
+                sec = time_calls(fn, batches[:3] if name == "torch" else batches)
+                n = int(np.prod(shape))
+                results.append({"batch": batch, "ids": dist, "backend": name, "n": n, "us": sec * 1e6,
+                                "rows_per_s": n / sec, "gb_s": n * (READ + WRITTEN) / sec / 1e9,
+                                "gb_s_lines": n * (LINES + WRITTEN) / sec / 1e9})
+            torch_rate = next(r["rows_per_s"] for r in results[-len(runs):] if r["backend"] == "torch")
+            for r in results[-len(runs):]:
+                r["x_torch"] = r["rows_per_s"] / torch_rate
+    best_copy = max(limits.values())
+    for r in results:
+        r["memcpy_over_gather"] = best_copy / (r["gb_s"] * 1e9)
+    print_table(
+        f"gather_dequant on the CPU; same-run memcpy {limits['memcpy_1_thread'] / 1e9:.1f} GB/s (1 thread), "
+        f"{limits['memcpy_torch'] / 1e9:.1f} GB/s (torch, {threads} threads), read + write",
+        ["batch", "ids", "backend", "us/call", "Mrows/s", "GB/s", "GB/s lines", "memcpy/gather", "x torch"],
+        [[r["batch"], r["ids"], r["backend"], r["us"], r["rows_per_s"] / 1e6, r["gb_s"], r["gb_s_lines"],
+          r["memcpy_over_gather"], r["x_torch"]] for r in results])
+    return {"limits": limits, "results": results, "rows": args.rows, "threads": threads}
+
+
+def plot(payload: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = payload["results"]
+    groups = sorted({(r["batch"], r["ids"]) for r in results}, key=lambda g: (g[0] != "decode", g[1]))
+    backends = list(dict.fromkeys(r["backend"] for r in results))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(backends)
+    for i, b in enumerate(backends):
+        vals = [next((r["gb_s"] for r in results if (r["batch"], r["ids"]) == g and r["backend"] == b), 0)
+                for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=b)
+    for name, bw in payload["limits"].items():
+        ax.axhline(bw / 1e9, linestyle="--", linewidth=1, color="grey")
+        ax.text(len(groups) - 0.5, bw / 1e9, f" {name}", va="bottom", ha="right", fontsize=8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{b}\n{d}" for b, d in groups])
+    ax.set_ylabel("GB/s (264 B read + 512 B written per row)")
+    ax.set_title("gather_dequant vs same-run memcpy")
+    ax.legend()
+    fig.tight_layout()
+    path = OUT / "gather.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def gpu_bench(args) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", HERE / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    return gc.main(["--rows", str(args.rows)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=2_000_000, help="table rows (default ~0.5 GiB, past the caches)")
+    ap.add_argument("--calls", type=int, default=20, help="decode calls timed (prefill: a quarter)")
+    ap.add_argument("--gpu", action="store_true", help="run bench/gpu_check.py's GPU checks and bandwidth table")
+    args = ap.parse_args(argv)
+    if args.gpu:
+        return gpu_bench(args)
+    payload = cpu_bench(args)
+    path = write_json("gather", payload)
+    png = plot(payload)
+    print(f"wrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
