@@ -408,3 +408,15 @@ def test_host_library_after_fork():
         print("ok")
     """
     assert "ok" in _run_python(code, timeout=60)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.py runs on a lent GPU with nothing but torch and Triton: keep its
+    standalone loading and its CPU-checkable parts working here."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    env = dict(os.environ, OUT=str(tmp_path), TRITON_INTERPRET="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FAIL" not in proc.stdout and (tmp_path / "gpu_check_dry.json").exists()
