@@ -234,19 +234,35 @@ ENGRAM_HD uint16_t dequant_plain_normal(uint32_t b, uint16_t kn16) {
     return r;
 }
 
-ENGRAM_HD bool fp8_subnormal(uint32_t b) { return (b & 0x7Fu) - 1u < 7u; }
+// Any fp8 subnormal among n bytes? A byte-wide OR, which compilers vectorize (a bool |= or
+// a wider sum they do not, or badly).
+ENGRAM_HD bool any_fp8_subnormal(const uint8_t* __restrict__ in, int n) {
+    uint8_t any = 0;
+    for (int i = 0; i < n; ++i) any |= static_cast<uint8_t>(static_cast<uint8_t>((in[i] & 0x7Fu) - 1u) < 7u);
+    return any != 0;
+}
 
-// The host library's row decode: the shortcut for plain scales, the general path otherwise.
+// The host library's row decode. Rows whose scales are all plain and whose payload holds no
+// fp8 subnormal (nearly every row of a real table) take one straight pass; other rows go
+// block by block: the plain shortcut where it applies, the general path otherwise.
 ENGRAM_HD void dequant_row_host(const uint8_t* __restrict__ row, uint16_t* __restrict__ out) {
+    bool all_plain = true;
+    for (int k = 0; k < kRowScales; ++k) all_plain &= plain_scale(row[kRowValues + k]);
+    if (all_plain && !any_fp8_subnormal(row, kRowValues)) {
+        for (int k = 0; k < kRowScales; ++k) {
+            const uint16_t kn16 = static_cast<uint16_t>(0x3C00u + ((row[kRowValues + k] - 127u) << 7));
+            for (int i = 0; i < kBlockValues; ++i)
+                out[k * kBlockValues + i] = dequant_plain_normal(row[k * kBlockValues + i], kn16);
+        }
+        return;
+    }
     for (int k = 0; k < kRowScales; ++k) {
         const uint32_t e = row[kRowValues + k];
         const uint8_t* in = row + k * kBlockValues;
         uint16_t* o = out + k * kBlockValues;
         if (plain_scale(e)) {
             const uint16_t k16 = static_cast<uint16_t>((e - 127u) << 7);
-            bool any_subnormal = false;
-            for (int i = 0; i < kBlockValues; ++i) any_subnormal |= fp8_subnormal(in[i]);
-            if (!any_subnormal) {
+            if (!any_fp8_subnormal(in, kBlockValues)) {
                 const uint16_t kn16 = static_cast<uint16_t>(0x3C00u + k16);
                 for (int i = 0; i < kBlockValues; ++i) o[i] = dequant_plain_normal(in[i], kn16);
             } else {
