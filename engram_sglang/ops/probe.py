@@ -167,22 +167,28 @@ class Environment:
     native_device_check: Optional[Callable[[str, DeviceInfo], str]] = None  # real devices only
 
 
-def current_environment() -> Environment:
+def current_environment(device_kind: str) -> Environment:
+    """What is installed, for a device of `device_kind`: only its own native library is
+    loaded (loading HIP's runtime on an NVIDIA box, say, would be a side effect for nothing)."""
     from . import native
 
     targets: dict[str, Optional[tuple[str, ...]]] = {}
     missing: dict[str, str] = {}
     for kind in ("cpu", "cuda", "hip"):
+        if kind != device_kind:
+            targets[kind], missing[kind] = None, f"not loaded for a {device_kind} device"
+            continue
         lib, why = native.try_load(kind)
         targets[kind] = lib.targets if lib else None
         if why:
             missing[kind] = why
-    try:
-        import triton  # noqa: F401
-
-        triton_error = ""
-    except Exception as e:  # a broken install raises more than ImportError
-        triton_error = f"triton does not import ({type(e).__name__}: {e})"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    triton_error = ""
+    if device_kind != "cpu" or interpret:  # on a CPU it only runs interpreted: skip the import
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # a broken install raises more than ImportError
+            triton_error = f"triton does not import ({type(e).__name__}: {e})"
 
     def device_check(kind: str, dev: DeviceInfo) -> str:
         lib, why = native.try_load(kind)
@@ -191,7 +197,7 @@ def current_environment() -> Environment:
         code = native.check_device(lib, dev.index or 0)
         return "" if code == 0 else f"{lib.path.name} cannot run on {dev.arch}: {lib.error_string(code)}"
 
-    return Environment(targets, missing, triton_error, os.environ.get("TRITON_INTERPRET") == "1", device_check)
+    return Environment(targets, missing, triton_error, interpret, device_check)
 
 
 def rejection(backend: str, dev: DeviceInfo, env: Environment) -> str:
@@ -283,7 +289,7 @@ def log_choice(choice: Choice, announce: bool = True) -> None:
 @functools.lru_cache(maxsize=None)
 def _probe_cached(device_key: str, requested: str, announce: bool) -> Choice:
     dev = read_device(None if device_key == "default" else device_key)
-    choice = choose(dev, current_environment(), requested)
+    choice = choose(dev, current_environment(dev.kind), requested)
     log_choice(choice, announce)
     return choice
 
