@@ -12,9 +12,12 @@ VENDOR ?= all
 KERNELS_OUT := build/kernels
 KERNEL_COMMON := kernels/common/engram_gather.h
 
+# Debian 12 defaults (scripts/setup-toolchain.sh installs them); the ROCm image points these
+# at its own toolchain (docker/Dockerfile.rocm).
 NVCC ?= /usr/local/cuda/bin/nvcc
 HIPCXX ?= clang++-22
 LLVM_SUFFIX ?= -22
+ROCM_PATH ?= /usr
 ROCM_BITCODE ?= /usr/lib/x86_64-linux-gnu/amdgcn/bitcode
 
 CUDA_ARCHS := 90 100 120
@@ -33,7 +36,8 @@ HIP_BITCODE := $(KERNELS_OUT)/hip/bitcode
 KERNEL_CXXFLAGS := -std=c++17 -O3 -fPIC -pthread -Wall -Wextra -fno-fast-math -ffp-contract=off
 NVCC_FLAGS := -std=c++17 -O3 -ftz=false -prec-div=true -prec-sqrt=true -fmad=false \
 	-Xcompiler -fPIC,-fno-fast-math,-Wall
-HIP_FLAGS := -x hip $(foreach a,$(HIP_ARCHS),--offload-arch=$(a)) --rocm-path=/usr \
+# __AMDGCN_WAVEFRONT_SIZE: Debian's HIP 5.2 headers read it and clang 22 no longer defines it.
+HIP_FLAGS := -x hip $(foreach a,$(HIP_ARCHS),--offload-arch=$(a)) --rocm-path=$(ROCM_PATH) \
 	--rocm-device-lib-path=$(HIP_BITCODE) -mcode-object-version=5 \
 	-D__AMDGCN_WAVEFRONT_SIZE=64 -std=c++17 -O3 -fPIC -Wall \
 	-fno-gpu-flush-denormals-to-zero -ffp-contract=off
@@ -55,7 +59,7 @@ endif
 # Compilers come from the project's own script (quick when present). Without root it cannot
 # install: then what is missing is skipped below with a message, and the tests say why.
 kernels-toolchain:
-	@VENDOR=$(VENDOR) bash scripts/setup-toolchain.sh || \
+	@VENDOR=$(VENDOR) HIPCXX=$(HIPCXX) NVCC=$(NVCC) bash scripts/setup-toolchain.sh || \
 		echo "kernels: scripts/setup-toolchain.sh failed; builds whose compiler is missing are skipped"
 
 kernels-cpu: kernels-toolchain
@@ -69,7 +73,7 @@ kernels-cuda: kernels-toolchain
 	fi
 
 kernels-hip: kernels-toolchain
-	@if command -v $(HIPCXX) >/dev/null 2>&1 && [ -e $(ROCM_BITCODE)/oclc_isa_version_940.bc ]; then \
+	@if command -v $(HIPCXX) >/dev/null 2>&1 && [ -e $(ROCM_BITCODE)/ocml.bc ]; then \
 		$(MAKE) --no-print-directory $(HIP_LIB) $(HIP_CO); \
 	else \
 		echo "kernels: $(HIPCXX) or ROCm device libraries missing: skipping the HIP build (its tests skip)"; \
@@ -91,16 +95,18 @@ $(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: kernels/cuda/engram_gather.cu $(KERN
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCC_FLAGS) -ptx -arch=compute_$* -o $@ $<
 
-# Debian's ROCm device libraries stop at gfx940: gfx942/gfx950 get an ISA-version bitcode made
-# from the gfx940 one (only the version constant differs), next to links to the others.
+# Debian's ROCm device libraries stop at gfx940: a missing gfx942/gfx950 ISA-version bitcode is
+# made from the gfx940 one (only the version constant differs), next to links to the others.
+# A ROCm install that has them is used as is.
 $(HIP_BITCODE)/.stamp: mk/kernels.mk
 	@mkdir -p $(@D)
+	rm -f $(@D)/*.bc
 	for f in $(ROCM_BITCODE)/*.bc; do ln -sf $$f $(@D)/; done
 	for v in 942 950; do \
-		rm -f $(@D)/oclc_isa_version_$$v.bc; \
+		[ -e $(@D)/oclc_isa_version_$$v.bc ] && continue; \
 		llvm-dis$(LLVM_SUFFIX) $(ROCM_BITCODE)/oclc_isa_version_940.bc -o - \
 		| sed "s/constant i32 9400/constant i32 $${v}0/" \
-		| llvm-as$(LLVM_SUFFIX) -o $(@D)/oclc_isa_version_$$v.bc; \
+		| llvm-as$(LLVM_SUFFIX) -o $(@D)/oclc_isa_version_$$v.bc || exit 1; \
 	done
 	touch $@
 

@@ -5,6 +5,8 @@
 # carries clang-22; a fresh image's lists may predate it).
 #
 #   VENDOR=cuda|hip|cpu|all (default all): which toolchain to make sure of.
+#   HIPCXX: a HIP compiler the caller brings (the ROCm image's clang): then nothing HIP is
+#           installed here.
 # CUDA's nvcc is not installed here: it comes with the CUDA image / toolkit. Without it the
 # CUDA build is skipped with a message (see mk/kernels.mk).
 set -euo pipefail
@@ -23,7 +25,8 @@ esac
 
 # Host library (and nvcc's host compiler).
 want g++ g++ make
-if [ "$VENDOR" = hip ] || [ "$VENDOR" = all ]; then
+HIPCXX=${HIPCXX:-clang++-22}
+if { [ "$VENDOR" = hip ] || [ "$VENDOR" = all ]; } && [ "$HIPCXX" = clang++-22 ]; then
     # Debian's hipcc (ROCm 5.2) knows only up to gfx940; clang 22 targets gfx942/gfx950 and
     # uses Debian's HIP headers and device bitcode (see docs/toolchain.md).
     want clang++-22 clang-22

@@ -29,6 +29,8 @@ OUT = Path(os.environ.get("ENGRAM_KERNELS_DIR", ROOT / "build" / "kernels"))
 COMMON = ROOT / "kernels" / "common" / "engram_gather.h"
 CUDA_ARCHS = (90, 100, 120)
 HIP_ARCHS = ("gfx942", "gfx950")
+# LLVM tools as mk/kernels.mk names them: Debian's clang-22 packages, or the ROCm image's own.
+LLVM = os.environ.get("LLVM_SUFFIX", "-22")
 # Native fp8 -> wider conversions per target (docs/toolchain.md).
 HIP_FP8_INSTR = {"gfx942": "v_cvt_pk_f32_fp8", "gfx950": "v_cvt_scalef32_pk_f32_fp8"}
 
@@ -89,7 +91,7 @@ def fatbin_entries(so: Path) -> list[tuple[str, int]]:
     """(kind, arch) of each entry of the library's .nv_fatbin: ELF = SASS, PTX = PTX."""
     dump = so.parent / "cuda" / "nv_fatbin.bin"
     dump.parent.mkdir(parents=True, exist_ok=True)
-    run(tool("llvm-objcopy-22"), "-O", "binary", "--only-section=.nv_fatbin", str(so), str(dump))
+    run(tool("objcopy"), "-O", "binary", "--only-section=.nv_fatbin", str(so), str(dump))
     data, off, out = dump.read_bytes(), 0, []
     while off + 16 <= len(data):
         magic, _, header, size = struct.unpack_from("<IHHQ", data, off)
@@ -148,18 +150,19 @@ def test_cuda_ptx_native_fp8_and_no_ftz(arch):
 
 # ------------------------------------------------------------------ HIP
 def hip_lib() -> Path:
-    why = "clang++-22 missing" if not shutil.which("clang++-22") else "run `make kernels`"
+    hipcxx = os.environ.get("HIPCXX", "clang++-22")
+    why = f"{hipcxx} missing" if not shutil.which(hipcxx) else "run `make kernels`"
     return artifact(OUT / "libengram_hip.so", ROOT / "kernels/hip/engram_gather.hip", why_missing=why)
 
 
 def test_hip_library_binds_to_any_rocm():
     so = hip_lib()
-    dynamic = run(tool("llvm-readelf-22"), "-d", "--dyn-syms", str(so))
+    dynamic = run(tool(f"llvm-readelf{LLVM}"), "-d", "--dyn-syms", str(so))
     assert "libamdhip64" not in dynamic  # no soname baked in: resolved against torch's runtime
     assert re.search(r"UND\s+hipLaunchKernel", dynamic)
     for sym in ("engram_hip_gather_dequant", "engram_hip_targets", "engram_hip_check_device"):
         assert re.search(rf"FUNC\s+GLOBAL\s+DEFAULT\s+\d+\s+{sym}$", dynamic, re.M), sym
-    bundles = run(tool("clang-offload-bundler-22"), "--list", "--type=o", f"--input={OUT / 'hip' / 'fatbin.bin'}")
+    bundles = run(tool(f"clang-offload-bundler{LLVM}"), "--list", "--type=o", f"--input={OUT / 'hip' / 'fatbin.bin'}")
     assert {f"hipv4-amdgcn-amd-amdhsa--{a}" for a in HIP_ARCHS} <= set(bundles.split())
 
 
@@ -168,7 +171,7 @@ def test_hip_code_object_native_fp8_and_denormals(arch):
     hip_lib()
     co = artifact(OUT / "hip" / f"engram_gather.{arch}.co", ROOT / "kernels/hip/engram_gather.hip",
                   why_missing="run `make kernels`")
-    text = run(tool("llvm-objdump-22"), "-D", f"--mcpu={arch}", str(co))
+    text = run(tool(f"llvm-objdump{LLVM}"), "-D", f"--mcpu={arch}", str(co))
     instrs = collections.Counter(re.findall(r"^\s+(v_\w+|s_\w+|global_\w+)", text, re.M))
     assert any(i.startswith(HIP_FP8_INSTR[arch]) for i in instrs), sorted(i for i in instrs if "cvt" in i)
     kernels = re.findall(r"<(\w*engram_gather_kernel\w*)\.kd>", text)
@@ -176,7 +179,7 @@ def test_hip_code_object_native_fp8_and_denormals(arch):
     # fp32 denormals kept (mode 3) in both kernel descriptors.
     assert text.count(".amdhsa_float_denorm_mode_32 3") == 2
     assert instrs["global_load_dwordx2"] > 0 and instrs["global_store_dwordx4"] > 0
-    notes = run(tool("llvm-readelf-22"), "--notes", str(co))
+    notes = run(tool(f"llvm-readelf{LLVM}"), "--notes", str(co))
     assert notes.count(".wavefront_size: 64") == 2
 
 
