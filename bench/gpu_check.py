@@ -173,6 +173,19 @@ def upstream_gather(torch, report: Report):
 
 
 # ------------------------------------------------------------------ checks
+def host_tensor(torch, shape):
+    """uint8 CPU tensor in page-aligned anonymous memory (what cudaHostRegister wants)."""
+    import mmap
+
+    import numpy as np
+
+    n = 1
+    for d in shape:
+        n *= d
+    buf = mmap.mmap(-1, max(n, 1))
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=n).reshape(shape))
+
+
 def register_host(torch, t):
     """cudaHostRegister (mapped) of a CPU tensor, as the host store does; returns unregister."""
     cudart = torch.cuda.cudart()
@@ -192,6 +205,7 @@ def correctness(torch, report, backends, lut, table_cpu, placements, quick: bool
                "prefill": base}
     if quick:
         id_sets.pop("prefill")
+    want = {label: expected_bits(torch, lut, table_cpu, ids, 0, rows) for label, ids in id_sets.items()}
     for pname, table in placements.items():
         for bname, fn in backends.items():
             def one(pname=pname, table=table, fn=fn, bname=bname):
@@ -202,9 +216,9 @@ def correctness(torch, report, backends, lut, table_cpu, placements, quick: bool
                         out = torch.full((ids.numel(), 256), float("nan"), dtype=torch.bfloat16, device="cuda")
                         fn(table, ids, 0, rows, out)
                         torch.cuda.synchronize()
-                        want = expected_bits(torch, lut, table_cpu, ids_cpu, 0, rows)
-                        if not torch.equal(bits_of(torch, out), want):
-                            bad = (bits_of(torch, out) != want).any(1).nonzero()[:5].flatten().tolist()
+                        got = bits_of(torch, out)
+                        if not torch.equal(got, want[label]):
+                            bad = (got != want[label]).any(1).nonzero()[:5].flatten().tolist()
                             raise AssertionError(f"{label} {dt}: rows {bad} differ")
                         n_cases += 1
                 # A shard: global rows [lo, hi) held by a slice; other ids are +0 rows.
@@ -282,11 +296,14 @@ def bandwidth(torch, report, backends, upstream, placements, table_cpu, lim, qui
     rows = table_cpu.shape[0]
     gen = torch.Generator().manual_seed(7)
     split = {}
-    if upstream is not None:
+    if upstream is not None:  # upstream reads the checkpoint's split layout
         for pname, table in placements.items():
-            w = table[:, :256].contiguous() if table.is_cuda else table_cpu[:, :256].contiguous()
-            s = table[:, 256:].contiguous() if table.is_cuda else table_cpu[:, 256:].contiguous()
-            if not table.is_cuda:
+            if table.is_cuda:
+                w, s = table[:, :256].contiguous(), table[:, 256:].contiguous()
+            else:
+                w, s = host_tensor(torch, (rows, 256)), host_tensor(torch, (rows, 8))
+                w.copy_(table_cpu[:, :256])
+                s.copy_(table_cpu[:, 256:])
                 register_host(torch, w)
                 register_host(torch, s)
             split[pname] = (w, s)
@@ -356,12 +373,7 @@ def gpu_run(args, report: Report) -> None:
     hbm[:256] = ex
     hbm[-256:] = ex
     # The host copy in page-aligned anonymous memory, registered, as the host store does.
-    import mmap
-
-    import numpy as np
-
-    host_map = mmap.mmap(-1, rows * ROW_BYTES)
-    table_cpu = torch.from_numpy(np.frombuffer(host_map, dtype=np.uint8).reshape(rows, ROW_BYTES))
+    table_cpu = host_tensor(torch, (rows, ROW_BYTES))
     table_cpu.copy_(hbm)
     placements = {"hbm": hbm}
     state = {}
