@@ -35,16 +35,30 @@ from engram_sglang.ops import gather_dequant, native  # noqa: E402
 READ, WRITTEN, LINES = rowformat.ROW_BYTES, 2 * rowformat.PAYLOAD_BYTES, 5 * 64
 
 
-def realistic_table(rows: int, seed: int = 0) -> torch.Tensor:
+def realistic_table(rows: int, seed: int = 0) -> tuple[torch.Tensor, float]:
     """Rows quantized from Gaussian data by the OCP MX rule (scales and codes as real tables
-    have them), 64 Ki distinct rows tiled to `rows`."""
+    have them), 64 Ki distinct rows tiled to `rows`, in anonymous memory advised into huge
+    pages before it is filled, as the host store keeps tables. Returns (table, huge page
+    coverage)."""
+    import mmap
+
     gen = torch.Generator().manual_seed(seed)
     distinct = rowformat.quantize(torch.randn((1 << 16, 256), generator=gen) * 0.02)
-    table = torch.empty((rows, rowformat.ROW_BYTES), dtype=torch.uint8)
+    nbytes = rows * rowformat.ROW_BYTES
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    table = torch.from_numpy(np.frombuffer(mem, dtype=np.uint8).reshape(rows, rowformat.ROW_BYTES))
     for lo in range(0, rows, distinct.shape[0]):
         hi = min(rows, lo + distinct.shape[0])
         table[lo:hi] = distinct[: hi - lo]
-    return table
+    try:
+        from engram_sglang.stores.hostmem import huge_page_report
+
+        coverage = huge_page_report(table.data_ptr(), shmem=False).coverage
+    except Exception:  # noqa: BLE001 - a report, not a requirement
+        coverage = float("nan")
+    return table, coverage
 
 
 def id_batches(shape, rows: int, dist: str, count: int, seed: int) -> list[torch.Tensor]:
@@ -82,8 +96,9 @@ def time_calls(fn, batches) -> float:
 
 def cpu_bench(args) -> dict:
     threads = torch.get_num_threads()
-    print(f"table: {args.rows:,} rows ({args.rows * READ / 2**30:.2f} GiB), {threads} threads", flush=True)
-    table = realistic_table(args.rows)
+    table, coverage = realistic_table(args.rows)
+    print(f"table: {args.rows:,} rows ({args.rows * READ / 2**30:.2f} GiB, huge pages {coverage:.0%}), "
+          f"{threads} threads", flush=True)
     lib, why = native.try_load("cpu")
     if lib is None:
         print(f"host library unavailable ({why}): only the torch reference runs")
@@ -121,7 +136,8 @@ def cpu_bench(args) -> dict:
         ["batch", "ids", "backend", "us/call", "Mrows/s", "GB/s", "GB/s lines", "memcpy/gather", "x torch"],
         [[r["batch"], r["ids"], r["backend"], r["us"], r["rows_per_s"] / 1e6, r["gb_s"], r["gb_s_lines"],
           r["memcpy_over_gather"], r["x_torch"]] for r in results])
-    return {"limits": limits, "results": results, "rows": args.rows, "threads": threads}
+    return {"limits": limits, "results": results, "rows": args.rows, "threads": threads,
+            "huge_page_coverage": coverage}
 
 
 def plot(payload: dict) -> Path:

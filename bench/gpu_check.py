@@ -174,7 +174,7 @@ def upstream_gather(torch, report: Report):
 
 # ------------------------------------------------------------------ checks
 def host_tensor(torch, shape):
-    """uint8 CPU tensor in page-aligned anonymous memory (what cudaHostRegister wants)."""
+    """uint8 CPU tensor in page-aligned private anonymous memory, huge pages advised."""
     import mmap
 
     import numpy as np
@@ -182,7 +182,9 @@ def host_tensor(torch, shape):
     n = 1
     for d in shape:
         n *= d
-    buf = mmap.mmap(-1, max(n, 1))
+    buf = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as the host store keeps tables: fewer TLB misses per row
+        buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=n).reshape(shape))
 
 

@@ -23,13 +23,18 @@ DECODE_BATCH = 256  # concurrent requests: one token each per decode step
 PREFILL_CHUNK = 8192  # tokens of one prefill chunk
 
 
-def code_corpus(limit_chars: int = 3_000_000) -> list[str]:
+def code_corpus(limit_chars: int = 3_000_000, skip_chars: int = 0) -> list[str]:
+    """Standard library sources in path order; `skip_chars` skips the files that the call
+    with `limit_chars=skip_chars` returns (other code of the same kind, e.g. to learn from)."""
     stdlib = Path(os.__file__).parent
-    out, size = [], 0
+    out, size, skipped = [], 0, 0
     for path in sorted(stdlib.rglob("*.py")):
         if "test" in path.parts or "idlelib" in path.parts:
             continue
         text = path.read_text(errors="replace")
+        if skipped < skip_chars:
+            skipped += len(text)
+            continue
         out.append(text)
         size += len(text)
         if size >= limit_chars:
@@ -60,15 +65,29 @@ def bench_config(rows_per_layer: int, compressed_vocab_size: int, layer_ids=(1, 
 def hashed_streams(rows_per_layer: int, kind: str = "code", vocab: int = 8192, layer_ids=(1, 14)):
     """(cfg, per-request row ids): DECODE_BATCH token streams of real text, each hashed
     whole, ids [T, layers, 24] per stream."""
+    tokenizer, tokens = tokenized(kind, vocab)
+    cfg, hasher = hasher_for(tokenizer, rows_per_layer, layer_ids)
+    return cfg, split_streams(hasher, tokens), len(tokens)
+
+
+def tokenized(kind: str = "code", vocab: int = 8192):
+    """(tokenizer trained on the kind's corpus, that corpus as one list of token ids)."""
     texts = code_corpus() if kind == "code" else prose_corpus()
     tokenizer = train_tokenizer(texts, vocab)
+    return tokenizer, [t for text in texts for t in tokenizer(text)["input_ids"]]
+
+
+def hasher_for(tokenizer, rows_per_layer: int, layer_ids=(1, 14)):
+    """(cfg, hasher) of bench_config for this tokenizer."""
     _, size = compressed_token_map(tokenizer)
     cfg = bench_config(rows_per_layer, size, layer_ids)
-    hasher = NgramHasher.from_tokenizer(cfg, tokenizer)
-    tokens = [t for text in texts for t in tokenizer(text)["input_ids"]]
+    return cfg, NgramHasher.from_tokenizer(cfg, tokenizer)
+
+
+def split_streams(hasher, tokens) -> list[torch.Tensor]:
+    """Tokens cut into DECODE_BATCH equal streams, each hashed whole: ids [T, layers, 24]."""
     per = len(tokens) // DECODE_BATCH
-    streams = [hasher.hash_sequence(tokens[i * per : (i + 1) * per]) for i in range(DECODE_BATCH)]
-    return cfg, streams, len(tokens)
+    return [hasher.hash_sequence(tokens[i * per : (i + 1) * per]) for i in range(DECODE_BATCH)]
 
 
 def decode_steps(streams, layer_index: int, steps: int) -> list[torch.Tensor]:
