@@ -21,9 +21,7 @@
 #pragma once
 
 #include <stdint.h>
-#if !defined(__CUDACC__) && !defined(__HIP__)
-#include <string.h>
-#endif
+#include <string.h>  // memcpy: the host's well-defined float <-> bits cast
 
 // ------------------------------------------------------------------ compat
 // The only vendor switch in this header: host/device qualifiers and float<->bits casts.
