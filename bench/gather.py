@@ -6,10 +6,11 @@ imported from tests/test_gather.py), uniform and Zipf-skewed ids, against the sa
 bandwidth. Bytes moved per row: 264 read + 512 written; the "lines" column counts the five
 64-byte lines a row touches instead of its 264 bytes.
 
-On a GPU: bench/gpu_check.py's bandwidth part (HBM and registered host memory, against the
-same-run device copy and host-to-device bandwidth, upstream SGLang alongside when available).
+On a GPU: bench/gpu_check.py's run (its correctness checks, then gathers from HBM and from
+registered host memory against the same-run device copy and host-to-device bandwidth, upstream
+SGLang alongside when ENGRAM_SGLANG_WHEEL names its wheel).
 
-    python bench/gather.py [--rows 2000000] [--calls 20]
+    python bench/gather.py [--rows 2000000] [--calls 20] [--cpu]
 Writes bench/out/gather.json and bench/out/gather.png.
 """
 
@@ -140,7 +141,7 @@ def cpu_bench(args) -> dict:
             "huge_page_coverage": coverage}
 
 
-def plot(payload: dict) -> Path:
+def plot(payload: dict, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,8 +160,8 @@ def plot(payload: dict) -> Path:
         ax.axhline(bw / 1e9, linestyle="--", linewidth=1, color="grey")
         ax.text(len(groups) - 0.5, bw / 1e9, f" {name}", va="bottom", ha="right", fontsize=8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{b}\n{d}" for b, d in groups])
-    ax.set_ylabel("GB/s (264 B read + 512 B written per row)")
-    ax.set_title("gather_dequant vs same-run memcpy")
+    ax.set_ylabel("GB/s per row: 264 B read + 512 B written")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     path = OUT / "gather.png"
@@ -169,27 +170,35 @@ def plot(payload: dict) -> Path:
 
 
 def gpu_bench(args) -> dict:
+    """bench/gpu_check.py's run (its checks, then the bandwidth table) as this benchmark's data."""
     import importlib.util
+    import types
 
     spec = importlib.util.spec_from_file_location("gpu_check", HERE / "gpu_check.py")
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
-    return gc.main(["--rows", str(args.rows)])
+    report = gc.Report()
+    gc.gpu_run(types.SimpleNamespace(rows=args.gpu_rows, quick=False), report)
+    lim = report.info["limits"]
+    results = [{**r, "ids": r["placement"]} for r in report.bandwidth]  # plot groups: batch x placement
+    return {"limits": {"device copy": lim["d2d_bytes_per_s"], "host-to-device": lim["h2d_bytes_per_s"]},
+            "results": results, "info": report.info, "checks": report.checks, "failed": report.failed}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=2_000_000, help="table rows (default ~0.5 GiB, past the caches)")
-    ap.add_argument("--calls", type=int, default=20, help="decode calls timed (prefill: a quarter)")
-    ap.add_argument("--gpu", action="store_true", help="run bench/gpu_check.py's GPU checks and bandwidth table")
+    ap.add_argument("--rows", type=int, default=2_000_000, help="CPU table rows (default ~0.5 GiB, past the caches)")
+    ap.add_argument("--gpu-rows", type=int, default=9_000_000, help="GPU table rows (default ~2.2 GiB)")
+    ap.add_argument("--calls", type=int, default=20, help="decode calls timed on the CPU (prefill: a quarter)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU benchmark even where a GPU is visible")
     args = ap.parse_args(argv)
-    if args.gpu:
-        return gpu_bench(args)
-    payload = cpu_bench(args)
+    gpu = torch.cuda.is_available() and not args.cpu
+    payload = gpu_bench(args) if gpu else cpu_bench(args)
     path = write_json("gather", payload)
-    png = plot(payload)
+    png = plot(payload, "GPU gathers vs same-run copies (host rows: 64-byte lines read)" if gpu else
+               "gather_dequant vs same-run memcpy")
     print(f"wrote {path} and {png}")
-    return 0
+    return 1 if payload.get("failed") else 0
 
 
 if __name__ == "__main__":
