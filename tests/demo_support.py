@@ -38,14 +38,15 @@ def reference_completion(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tu
 
 
 def trace_requests(path: Path) -> list[dict]:
-    """Group a trace (served one request at a time) into requests: an extend step at
-    position 0 starts a request; later steps of the same slot continue it."""
+    """Group a trace into requests: a slot's tokens continue its current request while
+    their positions follow on (prefill chunks, decode steps); any other position (a new
+    request in the slot, possibly starting after a prefix-cache hit) starts a new one."""
     requests: list[dict] = []
     current: dict[int, dict] = {}
     for line in Path(path).read_text().splitlines():
         step = json.loads(line)
         for t, (slot, pos, tok) in enumerate(zip(step["req"], step["pos"], step["tok"])):
-            if pos == 0 or slot not in current:
+            if slot not in current or current[slot]["pos"][-1] + 1 != pos:
                 current[slot] = {"tok": [], "pos": [], "ids": {}, "sum": {}}
                 requests.append(current[slot])
             r = current[slot]

@@ -68,7 +68,9 @@ class Server:
                "--port", str(self.port), "--skip-server-warmup", "--max-total-tokens", str(max_total_tokens)]
         self.env = dict(os.environ)
         if not has_gpu():
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
+            # An idle scheduler polls at full speed by default: on a small CPU box that
+            # starves everything else (other servers, the client, the tests).
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_SHIM), self.env.get("PYTHONPATH")]))
         for key, value in (engram or {}).items():
