@@ -11,7 +11,9 @@ What it installs:
   `ENGRAM_*` variable for the processes SGLang starts (serving/settings.py);
 * the `Qwen3EngramForCausalLM` architecture in SGLang's model registry;
 * Engram table statistics in the scheduler's internal state (`/server_info` ->
-  `internal_states[i]["engram"]`).
+  `internal_states[i]["engram"]`);
+* DeepSeek-V4.1's Engram table lookup served by our stores when a table directory is
+  configured (models/deepseek_v4_hook.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def load() -> None:
     _register_cli_hooks()
     _after_import("sglang.srt.models.registry", _register_model)
     _after_import("sglang.srt.managers.scheduler_components.internal_state", _report_internal_state)
+    _after_import("sglang.srt.layers.engram", _take_over_deepseek_engram)
+    _after_import("sglang.srt.models.deepseek_v4", _skip_deepseek_engram_tensors)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -77,6 +81,18 @@ def _register_model(registry_module) -> None:
     from .models.qwen3_engram import Qwen3EngramForCausalLM
 
     registry_module.ModelRegistry.models.setdefault(ARCHITECTURE, Qwen3EngramForCausalLM)
+
+
+def _take_over_deepseek_engram(module) -> None:
+    from .models.deepseek_v4_hook import patch_engram_module
+
+    patch_engram_module(module)
+
+
+def _skip_deepseek_engram_tensors(module) -> None:
+    from .models.deepseek_v4_hook import patch_deepseek_v4
+
+    patch_deepseek_v4(module)
 
 
 def _report_internal_state(module) -> None:
