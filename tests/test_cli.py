@@ -68,7 +68,23 @@ def test_sglang_plugin_entry_point_is_registered():
 
 @pytest.mark.slow
 def test_demo_runs(tmp_path, capsys):
+    """`make demo`: builds the demo model, serves it with real SGLang (tables on disk),
+    prints completions and table statistics, agrees with the reference, stops the server."""
+    import os
+
     assert main(["demo", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "total 188.83 GiB" in out and "TP4 47.21" in out
-    assert "prefill+decode equals one-shot hashing: True" in out
+    assert "Engram tables placement disk" in out and "server stopped" in out
+    assert "'def __init__(self' -> " in out
+    assert "layer 1: disk," in out and "layer 3: disk," in out
+    assert "PyTorch reference forward gives the same tokens for 6 of 6 prompts" in out
+    assert "with Engram switched off 6 of 6 completions change" in out
+    # Nothing of the server is left: no process still runs from the demo's model directory.
+    model = str(tmp_path / "model")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        assert model not in cmdline, cmdline

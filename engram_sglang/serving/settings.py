@@ -128,9 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--engram-*` flags, as a group of an (SGLang) argument parser."""
     group = parser.add_argument_group("engram-sglang", "Engram tables (each flag also reads ENGRAM_* from the environment)")
     for knob in KNOBS:
-        default = knob.default if not isinstance(knob.default, tuple) else ",".join(knob.default)
         kwargs: dict = {"dest": "engram_" + knob.field, "default": None,
-                        "help": f"{knob.help} [env {knob.env}; default {default if default not in (None, '') else 'none'}]"}
+                        "help": f"{knob.help} [env {knob.env}; default {_shown(knob.default)}]"}
         if knob.kind == "bool":
             kwargs.update(nargs="?", const="1", metavar="on|off")
         elif knob.kind == "choice":
@@ -153,3 +152,23 @@ def export_flags(argv: list[str]) -> dict[str, str]:
     ServeSettings.from_env({**os.environ, **exported})  # refuse bad values before anything starts
     os.environ.update(exported)
     return exported
+
+
+def knobs_markdown() -> str:
+    """The README's table of serving knobs (flag, variable, default, meaning)."""
+    lines = ["| flag | environment | default | what |", "|---|---|---|---|"]
+    for k in KNOBS:
+        lines.append(f"| `--engram-{k.flag}` | `{k.env}` | {_shown(k.default)} | {k.help} |")
+    return "\n".join(lines)
+
+
+def _shown(default: Any) -> str:
+    if default is True or default is False:
+        return "on" if default else "off"
+    if default in (None, "", ()):
+        return "none"
+    return ",".join(default) if isinstance(default, tuple) else str(default)
+
+
+if __name__ == "__main__":
+    print(knobs_markdown())
