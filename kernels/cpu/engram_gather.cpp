@@ -99,8 +99,8 @@ void device_form(const Job& j, int64_t begin, int64_t end) {
 }
 
 // Rows ahead to prefetch: ids are random, so the hardware prefetcher cannot guess the next
-// row; a few rows (each 5-6 cache lines) ahead hide most of the DRAM latency.
-constexpr int64_t kPrefetchAhead = 8;
+// row; 16 rows (5 cache lines each) ahead measured best here (8: +7% time, 32: +25%).
+constexpr int64_t kPrefetchAhead = 16;
 
 template <typename IdT>
 inline int64_t id_at(const Job& j, int64_t r) {
