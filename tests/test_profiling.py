@@ -1,0 +1,156 @@
+"""`engram-sglang profile`: counts and skew against a brute-force recount of the same text."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram_sglang import EngramConfig, NgramHasher, demo, profiling
+from engram_sglang.errors import EngramError, TokenizerMismatchError
+from engram_sglang.hashing import EngramLayout, compressed_token_map
+
+STDLIB = Path(os.__file__).parent
+CORPUS = [STDLIB / "argparse.py", STDLIB / "textwrap.py", STDLIB / "string.py"]  # real text, offline
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """An HF-style model dir: tokenizer.json trained here, config.json with engram_* keys."""
+    d = tmp_path_factory.mktemp("model")
+    tok = demo.train_tokenizer(demo.demo_corpus(200_000), 1200)
+    tok.save_pretrained(d)
+    _, size = compressed_token_map(tok)
+    cfg = {"engram_layer_ids": [1, 3], "engram_max_ngram_size": 4, "engram_n_heads": 4, "engram_head_dim": 256,
+           "engram_vocab_size": 3001, "engram_compressed_vocab_size": size,
+           "engram_pad_token_id": tok.pad_token_id, "hidden_size": 64}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def brute_force(model_dir: Path, files, streams: int):
+    """Row ids [streams, steps, layers, C] of the files' text cut into `streams`, each hashed whole."""
+    cfg = EngramConfig.from_pretrained(model_dir)
+    tok = profiling.load_tokenizer(model_dir)
+    hasher = NgramHasher.from_tokenizer(cfg, tok)
+    tokens = [t for f in files for t in tok(Path(f).read_text(), add_special_tokens=False)["input_ids"]]
+    steps = len(tokens) // streams
+    ids = torch.stack([hasher.hash_sequence(tokens[s * steps:(s + 1) * steps]) for s in range(streams)])
+    return cfg, ids, len(tokens)
+
+
+def run(model_dir, corpus, out, streams):
+    text = io.StringIO()
+    summary = profiling.run_profile(model_dir, [str(c) for c in corpus], out, streams=streams, file=text)
+    return summary, text.getvalue()
+
+
+def test_profile_counts_and_skew_match_a_recount(model_dir, tmp_path):
+    streams = 16
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    for f in CORPUS[1:]:
+        (corpus_dir / f.name).write_text(f.read_text())
+    (corpus_dir / "zz.bin").write_bytes(b"\x00\x01binary")  # skipped
+    summary, printed = run(model_dir, [CORPUS[0], corpus_dir], tmp_path / "p.npz", streams)
+    cfg, ids, n_tokens = brute_force(model_dir, [CORPUS[0], *sorted(CORPUS[1:])], streams)  # dir: sorted
+    layout = EngramLayout(cfg)
+    prof = profiling.read_profile(tmp_path / "p.npz", cfg.fingerprint())
+    assert prof.meta["tokens"] == n_tokens and prof.meta["steps"] == ids.shape[1]
+    H = cfg.n_heads
+    for i, L in enumerate(cfg.layer_ids):
+        layer = ids[:, :, i, :]  # [streams, steps, C]
+        rows, counts = torch.unique(layer, return_counts=True)
+        full = np.zeros(layout.rows(L), dtype=np.int64)
+        full[rows.numpy()] = counts.numpy()
+        # The file: the hottest rows read at least twice, with their exact counts.
+        got_ids, got_counts, total = prof.layer(L)
+        assert total == layer.numel() == ids.shape[0] * ids.shape[1] * cfg.hash_columns
+        assert got_ids.size > 0 and np.array_equal(got_counts, full[got_ids])
+        assert np.all(np.diff(got_counts) <= 0) and got_counts.min() >= 2
+        assert got_counts[0] == full.max()
+        kept = got_ids.size
+        assert kept == min(int(0.05 * layout.rows(L)), int((full >= 2).sum()))
+        assert got_counts[-1] >= np.sort(full)[::-1][kept - 1]
+        # Skew: shares of reads of the hottest rows, by table rows and by distinct rows.
+        bounds = layout.column_bounds(i)
+        for o, name in enumerate(["2-gram", "3-gram", "4-gram", "all"]):
+            part = full if name == "all" else full[bounds[o * H]:bounds[(o + 1) * H]]
+            desc = np.sort(part)[::-1]
+            distinct = int((part > 0).sum())
+            s = summary[str(L)][name]
+            assert s["reads"] == part.sum() and s["distinct"] == distinct and s["rows"] == part.size
+            for share in profiling.SHARES:
+                by_table = desc[: math.ceil(share * part.size)].sum() / part.sum()
+                by_distinct = desc[: math.ceil(share * distinct)].sum() / part.sum()
+                assert s[f"table_{share:g}"] == pytest.approx(by_table)
+                assert s[f"distinct_{share:g}"] == pytest.approx(by_distinct)
+                assert f"{by_table:6.1%}" in printed
+        # Duplicates inside a decode batch: step t reads token t of every stream.
+        dup = [0, 0, 0]
+        for t in range(layer.shape[1]):
+            for o in range(3):
+                step = layer[:, t, o * H:(o + 1) * H].reshape(-1)
+                dup[o] += step.numel() - step.unique().numel()
+        want = sum(dup) / layer.numel()
+        assert summary[str(L)]["decode_duplicates"] == pytest.approx(want)
+        assert summary[str(L)]["decode_duplicates_by_order"] == pytest.approx([d / (layer.numel() / 3) for d in dup])
+        assert f"{want:.1%}" in printed
+    assert printed.startswith("3 text files (1 binary skipped)")
+
+
+def test_windows_with_history_equal_whole_streams(model_dir):
+    """count_reads hashes each stream in windows of steps with history: same rows as whole."""
+    cfg = EngramConfig.from_pretrained(model_dir)
+    tok = profiling.load_tokenizer(model_dir)
+    hasher = NgramHasher.from_tokenizer(cfg, tok)
+    tokens = profiling.tokenize(tok, [CORPUS[1].read_text()])
+    streams = 5
+    layers, steps = profiling.count_reads(hasher, tokens, streams, window=7)
+    per = tokens[: steps * streams].reshape(streams, steps)
+    whole = torch.stack([hasher.hash_sequence(per[s].tolist()) for s in range(streams)])
+    for i, lc in enumerate(layers):
+        want = torch.bincount(whole[:, :, i].reshape(-1), minlength=lc.rows)
+        assert torch.equal(lc.counts.long(), want)
+
+
+def test_the_subcommand_parses_and_runs(model_dir, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="engram-sglang")
+    profiling.add_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "q.npz"
+    args = parser.parse_args(["profile", "--model", str(model_dir), str(CORPUS[2]), "--out", str(out),
+                              "--streams", "8", "--max-tokens", "3000"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "duplicate ids inside a decode batch of 8 tokens" in text and f"wrote {out}" in text
+    prof = profiling.read_profile(out)
+    assert prof.meta["tokens"] == 3000 and prof.layer_ids == [1, 3]
+
+
+def test_bad_inputs_say_what_is_wrong(model_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / f).write_text((model_dir / f).read_text())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["engram_compressed_vocab_size"] += 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerMismatchError, match="normalizes to"):
+        run(bad, CORPUS[:1], tmp_path / "x.npz", 8)
+    (bad / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(EngramError, match="missing Engram field"):
+        run(bad, CORPUS[:1], tmp_path / "x.npz", 8)
+    with pytest.raises(EngramError, match="no such file"):
+        run(model_dir, [tmp_path / "nope.txt"], tmp_path / "x.npz", 8)
+    with pytest.raises(EngramError, match="fewer than one per stream"):
+        run(model_dir, CORPUS[:1], tmp_path / "x.npz", 10**7)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(EngramError, match="not an engram profile"):
+        profiling.read_profile(tmp_path / "junk.npz")
