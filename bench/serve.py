@@ -1,0 +1,152 @@
+"""Serving benchmark: the demo model on real SGLang, one server per placement, same run.
+
+For each placement (device, host, disk) it starts `sglang.launch_server`, warms up (which
+also warms the page cache for the disk tier: the goal is *warm* disk), then sends
+`--requests` greedy requests, `--concurrency` at a time, `--passes` times, and keeps the
+fastest pass (the machine may be shared); it measures output tokens/s and time per output
+token. Ratios are to the device placement of the same run. From the
+server's Engram statistics (/server_info) it also reports, per forward step, the time the
+Engram layers took (gate, projections, conv and the wait for rows) and how long the model
+waited for rows, against the time of one decoder layer.
+
+Writes a table to stdout, bench/out/serve.json and bench/out/serve.png.
+
+    python bench/serve.py [--placements device,host,disk] [--requests 32] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import OUT, print_table, write_json  # noqa: E402
+
+from engram_sglang.demo import demo_model  # noqa: E402
+from engram_sglang.serving.launch import Server  # noqa: E402
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    """n prompts of 8..64 tokens cut from offline text (the demo corpus)."""
+    from engram_sglang.demo import demo_corpus
+
+    ids = tokenizer("\n".join(demo_corpus(120_000)[1:]))["input_ids"]
+    lengths = (8, 16, 32, 64)
+    return [ids[(i * 1543) % (len(ids) - 70):][: lengths[i % len(lengths)]] for i in range(n)]
+
+
+def totals(stats: dict) -> dict:
+    steps = stats["steps"]
+    return {"steps": steps, "tokens": stats["tokens"], "forward": stats["forward_seconds_per_step"] * steps,
+            "engram": stats["engram_seconds_per_step"] * steps, "wait": stats["wait_seconds_per_step"] * steps,
+            "layer": stats["layer_seconds"]}
+
+
+def run_placement(model_dir: Path, placement: str, reqs: list[list[int]], args) -> dict:
+    engram = {"placement": placement}
+    if placement == "disk" and args.disk_threads:
+        engram["disk_threads"] = args.disk_threads
+    server = Server(model_dir, engram=engram, max_total_tokens=8192,
+                    args=("--max-running-requests", str(args.concurrency)), log_path=OUT / f"serve-{placement}.log")
+    with server:
+        with ThreadPoolExecutor(args.concurrency) as pool:  # warm-up: same prompts, fewer tokens
+            list(pool.map(lambda p: server.generate(p, 8), reqs))
+        best = None
+        for _ in range(args.passes):  # the machine is shared: keep the least disturbed pass
+            before = totals(server.engram_stats())
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                outs = list(pool.map(lambda p: server.generate(p, args.new_tokens), reqs))
+            wall = time.perf_counter() - t0
+            after = totals(server.engram_stats())
+            if best is None or wall < best[0]:
+                best = (wall, outs, before, after)
+    wall, outs, before, after = best
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    steps = after["steps"] - before["steps"]
+    return {
+        "placement": placement,
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "seconds": wall,
+        "output_tokens_per_s": tokens / wall,
+        "time_per_output_token_ms": 1e3 * sum(o["meta_info"]["e2e_latency"] / o["meta_info"]["completion_tokens"]
+                                              for o in outs) / len(outs),
+        "steps": steps,
+        "forward_ms_per_step": 1e3 * (after["forward"] - before["forward"]) / steps,
+        "engram_ms_per_step": 1e3 * (after["engram"] - before["engram"]) / steps,
+        "wait_ms_per_step": 1e3 * (after["wait"] - before["wait"]) / steps,
+        "layer_ms": 1e3 * after["layer"],
+        "completions": [o["output_ids"] for o in outs],
+    }
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["placement"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(names, [r["tokens_per_s_vs_device"] for r in results], color="tab:blue")
+    a.axhline(1.0, color="gray", lw=0.8)
+    a.axhline(0.95, color="tab:red", lw=0.8, ls="--", label="goal for warm disk: 0.95")
+    a.set_title("output tokens/s, relative to device")
+    a.legend(loc="lower right")
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], [r["engram_ms_per_step"] for r in results], 0.4, label="Engram layers per step")
+    b.bar([i + 0.2 for i in x], [r["layer_ms"] for r in results], 0.4, label="one decoder layer")
+    b.plot(list(x), [r["wait_ms_per_step"] for r in results], "k^", label="waiting for rows per step")
+    b.set_xticks(list(x), names)
+    b.set_ylabel("ms")
+    b.set_title("Engram time per step vs one layer")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--placements", default="device,host,disk")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--passes", type=int, default=3, help="measured passes per placement; the fastest counts")
+    p.add_argument("--disk-threads", type=int, default=0, help="disk placement: reads in flight (default: the store's)")
+    p.add_argument("--workdir", default="build/bench", help="where the demo model is built once")
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    model_dir, _ = demo_model(Path(args.workdir))
+    reqs = prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.requests)
+    results = [run_placement(model_dir, pl, reqs, args) for pl in args.placements.split(",")]
+    base = next((r for r in results if r["placement"] == "device"), results[0])
+    for r in results:
+        r["tokens_per_s_vs_device"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+        r["tpot_vs_device"] = r["time_per_output_token_ms"] / base["time_per_output_token_ms"]
+        r["same_tokens_as_device"] = r["completions"] == base["completions"]
+    print_table(
+        f"demo model on SGLang (CPU), {args.requests} requests x {args.new_tokens} tokens, {args.concurrency} at a time",
+        ["placement", "tok/s", "vs device", "TPOT ms", "vs device", "step ms", "Engram ms/step", "wait ms/step",
+         "layer ms", "same tokens"],
+        [[r["placement"], r["output_tokens_per_s"], r["tokens_per_s_vs_device"], r["time_per_output_token_ms"],
+          r["tpot_vs_device"], r["forward_ms_per_step"], r["engram_ms_per_step"], r["wait_ms_per_step"], r["layer_ms"],
+          r["same_tokens_as_device"]] for r in results],
+    )
+    for r in results:
+        del r["completions"]
+    path = write_json("serve", {"args": vars(args), "results": results})
+    plot(results, OUT / "serve.png")
+    print(f"\nwrote {path} and {OUT / 'serve.png'}")
+    return 0 if all(r["same_tokens_as_device"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
