@@ -7,9 +7,10 @@ row of one step (the batch's repeats of a row are one fetch: a deduping tier rea
 once, and a cache decides per step). Hit rate = fetches whose row is in the cache when
 the step starts.
 
-* ours: `engram_sglang.stores.cache.RowDirectory`, the code the store runs (set-
-  associative, sketch frequencies, maintenance every --maintain-every steps), cold.
-* ours, pre-warmed: the same, first filled from a profile of other text of the same kind.
+* ours: `engram_sglang.stores.cache.RowDirectory`, the code the store runs (16-way sets,
+  sketch counts, maintenance every --maintain-every steps as the store does), cold.
+* ours, pre-warmed: the same, first filled from the counts of other text of the same kind
+  (what `engram-sglang profile` writes).
 * LRU: fully associative, exact at step granularity.
 * static: the rows most read in other text of the same kind (more code of the standard
   library; for prose, other prose on this machine), never changed.
@@ -19,15 +20,18 @@ the step starts.
 
 The table is sized so that the trace reads it about --reads-per-row times (0.5 as in
 docs/measurements.md: 8M tokens of 24 reads over a 384M-row table); cache sizes are shares
-of its rows.
+of its rows. The 2-core machine cannot replay every fetch of every policy quickly, so by
+default the trace is one of --shard 16 row shards (rows picked by a hash of the id, the
+caches 1/16 of the size): every policy, Belady included, is exact on that sampled trace,
+and hit rates of a row sample track the whole trace's (SHARDS, Waldspurger et al. FAST'15;
+--shard 1 replays everything).
 
-    python bench/cache.py [--kinds code prose] [--layers 1] [--reads-per-row 0.5]
+    python bench/cache.py [--kinds code prose] [--layers 0 1] [--shard 16] [--reads-per-row 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +50,12 @@ INF = np.iinfo(np.int32).max
 
 
 # ------------------------------------------------------------------------ the trace
+def in_shard(ids: torch.Tensor, shard: int) -> torch.Tensor:
+    """Rows of shard 0 of `shard`: a 32-bit multiplicative hash below 2^32 / shard."""
+    h = ((ids & 0x7FFFFFFF) * 0x9E3779B1) & 0xFFFFFFFF
+    return h < (1 << 32) // shard
+
+
 class Trace:
     """Row fetches of one layer: the distinct ids of each step, in step order.
 
@@ -53,9 +63,15 @@ class Trace:
     next step that fetches the row of fetch f (INF if none), computed from the end.
     """
 
-    def __init__(self, steps: list[torch.Tensor], rows: int):
+    def __init__(self, steps: list[torch.Tensor], rows: int, shard: int = 1):
         self.rows = rows
-        self.raw = steps  # [256, 24] per step, with repeats
+        if shard > 1:
+            # One of `shard` row shards, picked by a hash of the row id (not the cache's set
+            # hash): hit rates of a row sample estimate the whole trace's at capacity / shard
+            # (SHARDS, Waldspurger et al., FAST'15); every policy sees the same sample.
+            steps = [s[in_shard(s, shard)] for s in steps]
+        self.shard = shard
+        self.raw = [s.reshape(-1) for s in steps]  # per step, with repeats
         uniq = [torch.unique(s).numpy() for s in steps]
         self.reads = sum(s.numel() for s in steps)
         self.offsets = np.zeros(len(uniq) + 1, dtype=np.int64)
@@ -162,17 +178,17 @@ def static(trace: Trace, capacity: int, learned: np.ndarray) -> int:
     return int(member[trace.ids].sum())
 
 
-def ours(trace: Trace, capacity: int, maintain_every: int, ways: int, profile=None) -> int:
+def ours(trace: Trace, capacity: int, maintain_every: int, profile=None, **options) -> int:
     """Hits of RowDirectory (the store's own policy code) on the trace's raw ids."""
-    d = RowDirectory(capacity, ways=ways)
+    d = RowDirectory(capacity, **options)
     if profile is not None:
-        ids, counts, total = profile
-        d.prewarm(torch.from_numpy(ids), torch.from_numpy(counts), total)
+        ids, counts, _ = profile
+        d.prewarm(torch.from_numpy(ids), torch.from_numpy(counts))
     hits = 0
     for s in range(trace.steps):
-        u = torch.from_numpy(trace.ids[trace.at(s)])
-        hits += int(d.find(u)[0].sum())
-        d.lookup(trace.raw[s])
+        raw = trace.raw[s]
+        hit, _ = d.lookup(raw)
+        hits += torch.unique(raw[hit]).numel()  # fetches that hit: the distinct rows
         if (s + 1) % maintain_every == 0:
             d.maintain()
     return hits
@@ -180,68 +196,116 @@ def ours(trace: Trace, capacity: int, maintain_every: int, ways: int, profile=No
 
 # ------------------------------------------------------------------------ workloads
 def other_text(kind: str) -> list[str]:
-    """Text of the same kind that the trace does not contain (to learn a static set from)."""
+    """Text of the same kind that the trace does not contain (to learn a static set from):
+    the next 3M characters of the standard library; vim's help files for prose."""
     if kind == "code":
         return code_corpus(limit_chars=3_000_000, skip_chars=3_000_000)
-    vim = sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))
-    texts = [p.read_text(errors="replace") for p in vim]
+    texts = [p.read_text(errors="replace") for p in sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))]
     if not texts:
-        raise SystemExit("no other prose on this machine (vim's help files): run with --kinds code")
+        raise SystemExit("no other prose on this machine (vim's help files) to learn a static set from: "
+                         "run with --kinds code, or --policies without static and ours_prewarmed")
     return texts
 
 
-def learned_counts(hasher, tokenizer, texts: list[str], layer_index: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(row ids by count descending, counts, total reads) of one layer over `texts`."""
+def learned_counts(hasher, tokenizer, texts: list[str], layer_index: int, shard: int):
+    """(row ids by count descending, counts, total reads) of one layer over `texts`, each
+    hashed whole, restricted to the trace's row shard."""
     ids = torch.cat([hasher.hash_sequence(tokenizer(t)["input_ids"])[:, layer_index].reshape(-1) for t in texts if t])
+    ids = ids[in_shard(ids, shard)] if shard > 1 else ids
     rows, counts = torch.unique(ids, return_counts=True)
     order = torch.argsort(counts, descending=True, stable=True)
     return rows[order].numpy(), counts[order].numpy(), ids.numel()
 
 
+POLICIES = ("ours", "ours_prewarmed", "lru", "static", "belady")
+LABELS = {"ours": "ours (cold)", "ours_prewarmed": "ours, pre-warmed", "lru": "LRU", "static": "static frequency",
+          "belady": "Belady (optimum)"}
+
+
 def run_kind(kind: str, args) -> list[dict]:
+    from engram_sglang.hashing import EngramLayout
+
     t0 = time.perf_counter()
     tokenizer, tokens = tokenized(kind, args.vocab)
-    per_layer_reads = len(tokens) * 24
-    rows_target = int(per_layer_reads / args.reads_per_row)
+    rows_target = int(len(tokens) * 24 / args.reads_per_row)
     cfg, hasher = hasher_for(tokenizer, rows_target, (1, 14))
     streams = split_streams(hasher, tokens)
     steps = len(tokens) // DECODE_BATCH
-    others = other_text(kind)
-    print(f"{kind}: {len(tokens):,} tokens in {DECODE_BATCH} streams, {steps} decode steps; "
-          f"{sum(map(len, others)):,} chars of other {kind} to learn from ({time.perf_counter() - t0:.0f} s)", flush=True)
-    from engram_sglang.hashing import EngramLayout
-
+    need_other = {"static", "ours_prewarmed"} & set(args.policies)
+    others = other_text(kind) if need_other else []
+    print(f"\n{kind}: {len(tokens):,} tokens in {DECODE_BATCH} streams = {steps:,} decode steps; "
+          f"{sum(map(len, others)):,} characters of other {kind} to learn from ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
     layout = EngramLayout(cfg)
     results = []
     for li in args.layers:
         layer_id = cfg.layer_ids[li]
         rows = layout.rows(layer_id)
-        trace = Trace(decode_steps(streams, li, steps), rows)
-        learned = learned_counts(hasher, tokenizer, others, li)
-        print(f"  layer {layer_id}: {rows:,} rows, {trace.reads:,} reads, {trace.fetches:,} fetches "
-              f"({1 - trace.fetches / trace.reads:.1%} repeats inside a step), {trace.distinct():,} distinct rows "
-              f"({trace.distinct() / rows:.1%} of the table)", flush=True)
+        trace = Trace(decode_steps(streams, li, steps), rows, args.shard)
+        learned = learned_counts(hasher, tokenizer, others, li, args.shard) if need_other else None
+        distinct = trace.distinct()
+        print(f"  layer {layer_id}: {rows:,} rows; shard 1/{args.shard}: {trace.reads:,} reads, {trace.fetches:,} "
+              f"fetches ({1 - trace.fetches / trace.reads:.1%} repeats inside a step), {distinct:,} distinct rows "
+              f"({distinct * args.shard / rows:.1%} of the table; first reads {distinct / trace.fetches:.1%} of fetches)",
+              flush=True)
         for share in args.sizes:
-            cap = max(1, int(share * rows))
-            row = {"kind": kind, "layer": layer_id, "share": share, "capacity": cap, "rows": rows,
-                   "fetches": trace.fetches, "reads": trace.reads, "seconds": {}}
-            policies = {
-                "ours": lambda: ours(trace, cap, args.maintain_every, args.ways),
-                "ours_prewarmed": lambda: ours(trace, cap, args.maintain_every, args.ways, learned),
+            cap = max(1, int(share * rows / args.shard))
+            row = {"kind": kind, "layer": layer_id, "share": share, "capacity": cap, "shard": args.shard,
+                   "rows": rows, "fetches": trace.fetches, "reads": trace.reads, "first_reads": distinct, "seconds": {}}
+            run = {
+                "ours": lambda: ours(trace, cap, args.maintain_every, ways=args.ways),
+                "ours_prewarmed": lambda: ours(trace, cap, args.maintain_every, learned, ways=args.ways),
                 "lru": lambda: lru(trace, cap),
                 "static": lambda: static(trace, cap, learned[0]),
                 "belady": lambda: belady(trace, cap),
             }
-            for name, fn in policies.items():
-                if name not in args.policies:
-                    continue
+            for name in args.policies:
                 t = time.perf_counter()
-                row[name] = fn() / trace.fetches
-                row["seconds"][name] = time.perf_counter() - t
+                row[name] = run[name]() / trace.fetches
+                row["seconds"][name] = round(time.perf_counter() - t, 2)
             results.append(row)
-            print("   ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "seconds"},
-                  {k: round(v, 1) for k, v in row["seconds"].items()}, flush=True)
+            print(f"    {share:.1%}: " + ", ".join(f"{n} {row[n]:.1%}" for n in args.policies)
+                  + f"  ({sum(row['seconds'].values()):.0f} s)", flush=True)
     return results
+
+
+def summarize(results: list[dict], policies) -> dict:
+    """Goal checks: ours within 10% of Belady at every size; at 1% at least LRU on code."""
+    checks = {}
+    for r in results:
+        key = f"{r['kind']} layer {r['layer']} {r['share']:.1%}"
+        if "ours" in r and "belady" in r:
+            checks[key] = {"ours_over_belady": r["ours"] / r["belady"] if r["belady"] else 1.0,
+                           "points_below_belady": 100 * (r["belady"] - r["ours"])}
+            if "lru" in r:
+                checks[key]["points_over_lru"] = 100 * (r["ours"] - r["lru"])
+    return checks
+
+
+def plot(results: list[dict], policies, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["kind"], r["layer"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    styles = {"ours": "o-", "ours_prewarmed": "o--", "lru": "s-", "static": "^-", "belady": "k*-"}
+    for ax, (kind, layer) in zip(axes[0], panels):
+        rs = [r for r in results if r["kind"] == kind and r["layer"] == layer]
+        x = [100 * r["share"] for r in rs]
+        for name in policies:
+            ax.plot(x, [100 * r[name] for r in rs], styles[name], label=LABELS[name])
+        ax.axhline(100 * (1 - rs[0]["first_reads"] / rs[0]["fetches"]), color="grey", lw=0.8, ls=":",
+                   label="no first reads missed")
+        ax.set_xscale("log")
+        ax.set_xlabel("cache size, % of the table's rows")
+        ax.set_ylabel("hit rate, % of row fetches")
+        ax.set_title(f"{kind}, layer {layer}: decode, {DECODE_BATCH} streams")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -249,17 +313,41 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", default=["code", "prose"], choices=["code", "prose"])
     p.add_argument("--layers", nargs="+", type=int, default=[0], help="layer indices (0: layer 1, 1: layer 14)")
     p.add_argument("--sizes", nargs="+", type=float, default=list(SIZES), help="cache sizes, shares of the rows")
-    p.add_argument("--policies", nargs="+", default=["ours", "ours_prewarmed", "lru", "static", "belady"])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--shard", type=int, default=16, help="replay one of this many row shards (1: every fetch)")
     p.add_argument("--reads-per-row", type=float, default=0.5)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--ways", type=int, default=16)
-    p.add_argument("--maintain-every", type=int, default=1)
+    p.add_argument("--maintain-every", type=int, default=8, help="steps between maintenances (the store's default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    p.add_argument("--name", default="cache", help="bench/out/NAME.json and NAME.png (default: cache)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     results = []
     for kind in args.kinds:
         results += run_kind(kind, args)
+    checks = summarize(results, args.policies)
+    for kind, layer in sorted({(r["kind"], r["layer"]) for r in results}):
+        rs = [r for r in results if r["kind"] == kind and r["layer"] == layer]
+        header = ["cache size", *(LABELS[n] for n in args.policies)]
+        if "ours" in args.policies and "belady" in args.policies:
+            header.append("ours / Belady")
+        body = []
+        for r in rs:
+            line = [f"{r['share']:.1%} ({r['capacity'] * r['shard']:,} rows)", *(f"{r[n]:.1%}" for n in args.policies)]
+            if "ours / Belady" in header:
+                key = f"{kind} layer {layer} {r['share']:.1%}"
+                line.append(f"{checks[key]['ours_over_belady']:.2f}")
+            body.append(line)
+        print_table(f"{kind}, layer {layer}: hit rate (share of row fetches served from the cache), "
+                    f"{rs[0]['rows']:,}-row table, {rs[0]['reads'] * rs[0]['shard']:,} reads (replayed 1/{rs[0]['shard']})",
+                    header, body)
+    payload = {"config": vars(args), "unit": "row fetches (distinct rows of a decode step)", "results": results,
+               "checks": checks, "seconds": round(time.perf_counter() - t0, 1)}
+    path = write_json(args.name, payload)
+    plot(results, args.policies, OUT / f"{args.name}.png")
+    print(f"\nwrote {path} and {OUT / f'{args.name}.png'} in {time.perf_counter() - t0:.0f} s")
     return 0
 
 

@@ -245,6 +245,20 @@ def test_equal_counts_keep_the_residents():
     assert sorted(d.resident_ids().tolist()) == [1, 5]
 
 
+def test_prewarm_fills_empty_ways_hottest_first():
+    d = RowDirectory(4, ways=4)  # one set
+    d.lookup(torch.tensor([7]))
+    d.maintain()
+    got, _ = d.prewarm(torch.tensor([1, 2, 3, 4, 5, 7]), torch.tensor([5, 50, 9, 40, 30, 99]))
+    assert sorted(got.tolist()) == [2, 4, 5]  # the three free ways, the most read rows
+    assert sorted(d.resident_ids().tolist()) == [2, 4, 5, 7]  # the resident row stays
+    assert d.estimate(got).tolist() == [1, 1, 1]  # loaded as read once: traffic decides
+    for _ in range(2):
+        d.lookup(torch.tensor([3]))
+        d.maintain()
+    assert 3 in d.resident_ids().tolist()  # read twice: beats a pre-warmed row
+
+
 def test_negative_ids_are_never_cached_or_counted():
     d = RowDirectory(16, ways=4)
     ids = torch.tensor([-1, -1, -1, 5])
@@ -272,9 +286,12 @@ def test_cache_bytes_cover_rows_and_directory(tables):
     budget = 200 * 1024
     stores = open_cached(table_dir, "host", cache_bytes=budget)
     try:
-        per_layer = [s.device_bytes for s in stores.values()]
-        assert all(b <= budget for b in per_layer) and sum(per_layer) <= budget + 2 * (1 << 17) * 12
-        assert stores[LAYER].directory.slots == plan_slots(budget * ROWS // sum(LAYOUT.num_embeddings))
+        for i, L in enumerate(CFG.layer_ids):
+            share = budget * LAYOUT.num_embeddings[i] // sum(LAYOUT.num_embeddings)
+            cache = stores[L]
+            assert cache.device_bytes <= share  # rows, directory, sketch and ring together
+            assert cache.device_bytes > 0.8 * share  # and the budget is used
+            assert cache.directory.slots == plan_slots(share)
         assert "hot-row cache" in stores[LAYER].describe()
     finally:
         for s in stores.values():

@@ -14,14 +14,14 @@ Two halves with different rules:
 * the maintenance (`RowDirectory.maintain`, every `maintain_every` calls, or whenever the
   scheduler calls `HotRowCache.maintain()` between steps): per set, keep the `ways` rows of
   highest (count, last read) among the residents and the rows that missed. A row that
-  missed replaces a resident only when it was read in more calls (TinyLFU-style
-  admission: one-off reads, most 4-grams, never churn the cache); equal counts keep the
-  more recently read. Counts are "calls that read the row", halved every `sample_factor`
-  x slots reads, so they follow the text being served.
+  missed takes the way of the set's weakest resident only when it was read in more calls,
+  or in as many but more recently (TinyLFU-style admission: a one-off read, as most
+  4-grams are, never displaces a row read twice). Counts are "calls that read the row",
+  halved every `sample_factor` x slots reads, so they follow the text being served.
 
 Measured against LRU, a static frequency set and the offline optimum in bench/cache.py.
-Pre-warming (`profile=`) fills the sets with the hottest rows of a profile of other text
-(`engram-sglang profile`) and seeds the sketch with their expected counts.
+Pre-warming (`profile=`) fills empty ways with the hottest rows of a profile of other text
+(`engram-sglang profile`); they start as rows read once, so traffic decides what stays.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class RowDirectory:
     slots : rows the cache holds (rounded down to a multiple of `ways`).
     ways : rows per set; a row id may live in any way of its one set.
     device : where the tags, the sketch and the clocks live (the cache's device).
-    sketch_width : uint8 counters per sketch row, a power of two (default: the largest
-        power of two <= 8 x slots: narrower sketches admit cold rows on inflated counts).
+    sketch_width : uint8 counters per sketch row, a power of two (default: the smallest
+        >= 8 x slots: narrower sketches admit cold rows on inflated counts).
     sketch_depth : sketch rows; a count is the minimum over them.
     sample_factor : the sketch halves every `sample_factor` x slots reads (aging).
     ring : missed ids remembered between two maintenances (the newest survive).
@@ -270,24 +270,40 @@ class RowDirectory:
         self.count[slots] = self.estimate(ids)
         self.admitted += ids.numel()
 
-    def prewarm(self, ids: torch.Tensor, counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the sets with the hottest profiled rows (`counts` reads of `total`) and
-        seed the sketch with their expected count in one aging window. Returns (ids, slots)."""
+    def prewarm(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill empty ways with profiled rows, the most read first in each set. They start
+        as rows read once (count 1, read before any lookup): the profile only picks what
+        fills the cache; traffic decides what stays. Higher seeded counts made wrong
+        guesses sticky and cost up to 16 points of hit rate in bench/cache.py.
+        Returns (ids, slots)."""
         ids = ids.reshape(-1).to(self.device, torch.int64)
-        counts = counts.reshape(-1).to(self.device, torch.float64)
-        keep = ids >= 0
-        ids, counts = ids[keep], counts[keep]
+        counts = counts.reshape(-1).to(self.device, torch.int64)
+        live = ids >= 0
+        ids, counts = ids[live], counts[live]
+        hit, _ = self.find(ids)
+        ids, counts = ids[~hit], counts[~hit]
         if ids.numel() == 0:
             return ids, ids
-        seed = torch.clamp(torch.ceil(counts * (self.sample / max(total, 1))), 1, self.CAP).to(torch.uint8)
+        W = self.ways
+        sets = self.set_of(ids)
+        order = torch.argsort(counts, descending=True, stable=True)
+        order = order[torch.argsort(sets[order], stable=True)]
+        s_set = sets[order]
+        rank = torch.arange(order.numel(), device=self.device) - torch.searchsorted(s_set, s_set)
+        empty = self.tags[: self.slots].view(self.sets, W) < 0
+        free_ways = torch.argsort((~empty).to(torch.uint8), dim=1, stable=True)  # empty ways first
+        fits = rank < empty.sum(1)[s_set]
+        chosen = order[fits]
+        slots = s_set[fits] * W + free_ways[s_set[fits], rank[fits]]
+        ids = ids[chosen]
         where = self._sketch_index(ids)
-        self.sketch.scatter_reduce_(0, where.reshape(-1), seed.expand_as(where).reshape(-1), reduce="amax")
-        hit, _ = self.find(ids)
-        ids = ids[~hit]
-        est = self.estimate(ids)
-        out = self._merge(ids, self._priority(est, self._clock.expand(est.shape)))
-        self._install(*out)
-        return out
+        self.sketch.scatter_reduce_(0, where.reshape(-1), torch.ones_like(where, dtype=torch.uint8).reshape(-1),
+                                    reduce="amax")
+        self.tags[slots] = ids
+        self.last[slots] = (self._clock - 1).clamp_min(0)
+        self.count[slots] = 1
+        self.admitted += ids.numel()
+        return ids, slots
 
     def resident_ids(self) -> torch.Tensor:
         t = self.tags[: self.slots]
@@ -295,7 +311,8 @@ class RowDirectory:
 
 
 def default_sketch_width(slots: int) -> int:
-    return 1 << max(4, int(math.log2(max(1, 8 * slots))))
+    """The power of two >= 8 x slots (4x cost up to 1.7 points of hit rate at 0.1% of rows)."""
+    return 1 << max(4, math.ceil(math.log2(max(1, 8 * slots))))
 
 
 def ring_entries(cache_bytes: int) -> int:
@@ -304,10 +321,13 @@ def ring_entries(cache_bytes: int) -> int:
 
 
 def plan_slots(cache_bytes: int, ways: int = 16, sketch_depth: int = 4) -> int:
-    """Rows a cache of `cache_bytes` device bytes holds: each slot costs its row, its
-    directory entry and up to 8 x depth sketch bytes; the ring of missed ids is fixed."""
-    per_slot = ROW_BYTES + SLOT_OVERHEAD + 8 * sketch_depth
-    slots = (cache_bytes - ring_entries(cache_bytes) * 12) // per_slot
+    """Rows a cache of `cache_bytes` device bytes holds with its directory: each slot costs
+    its row and directory entry, the sketch 8-16 x depth bytes per slot (a power-of-two
+    width), the ring of missed ids is fixed."""
+    room = cache_bytes - ring_entries(cache_bytes) * 12 - (ROW_BYTES + SLOT_OVERHEAD)  # (+ the dump slot)
+    # For each sketch width 2^k, the slots that fit beside it (and need no wider sketch).
+    slots = max(min((room - (1 << k) * sketch_depth) // (ROW_BYTES + SLOT_OVERHEAD), (1 << k) // 8)
+                for k in range(4, 48))
     return int(max(0, slots) // ways * ways)
 
 
@@ -537,14 +557,14 @@ class HotRowCache(TableStore):
         from ..profiling import read_profile
 
         prof = read_profile(profile, fingerprint)
-        ids, counts, total = prof.layer(self.layer_id)
+        ids, counts, _ = prof.layer(self.layer_id)
         lo, hi = self.row_range
         if ids.size and int(ids.max()) >= self.rows:
             raise EngramError(f"{profile}: layer {self.layer_id} row {int(ids.max())} is outside the table's "
                               f"{self.rows} rows: the profile was made for another table")
         mine = (ids >= lo) & (ids < hi)
         with self._cache_lock:
-            got, slots = self.directory.prewarm(torch.from_numpy(ids[mine]), torch.from_numpy(counts[mine]), total)
+            got, slots = self.directory.prewarm(torch.from_numpy(ids[mine]), torch.from_numpy(counts[mine]))
             if got.numel():
                 self.cache_rows[slots] = self._packed(got)
             self._pending.clear()
