@@ -13,8 +13,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from .config import EngramConfig
 from .hashing import EngramLayout
 from .rowformat import ROW_BYTES
