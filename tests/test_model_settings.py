@@ -38,8 +38,9 @@ def test_bad_values_are_one_line(env, message):
 
 
 def test_flags_become_environment_for_the_processes_sglang_starts(monkeypatch):
-    for knob in KNOBS:
-        monkeypatch.delenv(knob.env, raising=False)
+    for knob in KNOBS:  # setenv first: monkeypatch then removes what export_flags sets
+        monkeypatch.setenv(knob.env, "")
+        monkeypatch.delenv(knob.env)
     argv = ["--model-path", "m", "--engram-placement", "host", "--engram-host-shared", "--port", "1",
             "--engram-table-dir", "/t"]
     exported = export_flags(argv)
