@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import planner
 
     planner.add_parser(sub)
+
+    from . import profiling
+
+    profiling.add_parser(sub)
     return parser
 
 

@@ -135,8 +135,8 @@ def test_disk_misses_are_read_once_and_admitted_without_rereading(tables, rng, m
     stores = open_cached(table_dir, "disk", maintain_every=1)
     cache = stores[LAYER]
     reads = []
-    real = cache.inner._read
-    monkeypatch.setattr(cache.inner, "_read", lambda wanted: reads.append(wanted.copy()) or real(wanted))
+    real = cache.inner.read_packed
+    monkeypatch.setattr(cache.inner, "read_packed", lambda wanted: reads.append(wanted.copy()) or real(wanted))
     try:
         ids = torch.tensor([[3, 3, 3, 40], [40, 41, 3, 3]])
         got = cache.gather(ids)  # all miss: one read of the distinct rows; then maintenance admits

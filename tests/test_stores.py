@@ -285,3 +285,16 @@ def test_gpu_registration_failure_names_size_and_limit():
 
     with pytest.raises(EngramError, match=r"registering 47.21 GiB of host table memory with the GPU failed \(error 2\); the locked-memory limit \(ulimit -l\) is"):
         hostmem.register_with_gpu(0x1000, int(47.21 * 2**30), cudart=FailingCudart())
+
+
+def test_open_store_puts_a_hot_row_cache_in_front(table_dir, rng):
+    root, tables = table_dir
+    stores = open_store(root, "disk", cfg=CFG, cache_bytes=4 << 20)
+    ids = random_ids(rng, LAYOUT.rows(1), (64, 24))
+    for _ in range(3):  # misses, then admitted rows served from the cache
+        got = stores[1].gather(ids)
+        stores[1].maintain()
+    assert torch.equal(bf16_bits(got), bf16_bits(reference(tables[1], ids)))
+    assert stores[1].stats()["cache_hit_rate"] > 0
+    with pytest.raises(EngramError, match="placement device already holds the table"):
+        open_store(root, "device", cfg=CFG, cache_bytes=1 << 20)

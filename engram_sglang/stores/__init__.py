@@ -12,6 +12,7 @@ from ..config import EngramConfig
 from ..errors import EngramError
 from ..tablefile import open_tables
 from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range
+from .cache import HotRowCache, wrap_stores
 from .placements import DeviceStore, DiskStore, HostStore
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ def open_store(
     tp_rank: int = 0,
     tp_size: int = 1,
     backend: str = "auto",
+    cache_bytes: int = 0,
+    cache_profile: Optional[str | os.PathLike] = None,
+    cache_options: Optional[dict] = None,
     **options,
 ) -> dict[int, TableStore]:
     """Open every layer of a table directory in one placement: layer id -> TableStore.
@@ -44,6 +48,10 @@ def open_store(
     tp_rank, tp_size : this rank holds rows `shard_range(rows, tp_rank, tp_size)` of each
         layer; other ids read as +0.0 rows, so a sum over ranks reassembles them exactly.
     backend : gather backend ("auto" lets the device probe choose).
+    cache_bytes : device bytes (all layers of this rank) of a hot-row cache in front of a
+        host or disk placement; 0 for none. `cache_profile` pre-warms it from an
+        `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
+        sketch_depth.
     options : placement options: host `shared`, `shm_dir`, `huge_pages`; disk `threads`,
         `direct`, `retries`.
 
@@ -51,6 +59,8 @@ def open_store(
     """
     if placement not in _CLASSES:
         raise EngramError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+    if cache_bytes and placement == "device":
+        raise EngramError("placement device already holds the table in device memory: a hot-row cache serves host or disk")
     unknown = set(options) - _OPTIONS[placement]
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS[placement])) or "none"
@@ -69,7 +79,10 @@ def open_store(
         for store in stores.values():
             store.close()
         raise
+    if cache_bytes:
+        stores = wrap_stores(stores, cache_bytes, profile=cache_profile, fingerprint=tables.fingerprint,
+                             **(cache_options or {}))
     return stores
 
 
-__all__ = ["PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]
+__all__ = ["HotRowCache", "PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]

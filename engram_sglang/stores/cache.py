@@ -507,7 +507,7 @@ class HotRowCache(TableStore):
 
     def _read_lower(self, wanted: np.ndarray) -> np.ndarray:
         """Packed rows [n, 264] of sorted distinct global ids, from the tier below."""
-        read = getattr(self.inner, "read_packed", None) or getattr(self.inner, "_read")
+        read = self.inner.read_packed
         return read(np.ascontiguousarray(wanted, dtype=np.int64))
 
     def _packed(self, ids: torch.Tensor) -> torch.Tensor:

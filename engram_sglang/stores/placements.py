@@ -176,7 +176,7 @@ class DiskStore(TableStore):
         outside = (inverse < first) | (inverse >= end)
         local = (inverse - first).masked_fill_(outside, wanted.shape[0])
         t0 = time.perf_counter()
-        staging = self._read(wanted)
+        staging = self.read_packed(wanted)
         seconds = time.perf_counter() - t0
         self._read_latencies.append(seconds)
         METRICS.read(self, wanted.shape[0], seconds)
@@ -186,7 +186,8 @@ class DiskStore(TableStore):
         METRICS.served(self, ids.numel(), unique=wanted.shape[0])
         return rows, wanted.shape[0]
 
-    def _read(self, wanted: np.ndarray) -> np.ndarray:
+    def read_packed(self, wanted: np.ndarray) -> np.ndarray:
+        """Packed rows [n, 264] of sorted distinct global row ids (all inside this file)."""
         staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
         if wanted.shape[0] == 0:
             return staging
