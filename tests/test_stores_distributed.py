@@ -40,6 +40,7 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
         if rank == 0:
             torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range}, os.path.join(result_dir, "out.pt"))
         store.close()
+        dist.barrier()  # no rank tears gloo down while a peer is still talking to it
     finally:
         dist.destroy_process_group()
 
