@@ -17,7 +17,9 @@ $(SETUP_STAMP): pyproject.toml requirements/constraints.txt requirements/sglang-
 # Room-specific targets (kernels, lint, ...) live in mk/*.mk.
 include $(wildcard mk/*.mk)
 
-demo: setup
+# The demo serves on the CPU: the host gather library and the disk tier's row reads.
+demo: setup rowio
+	@$(MAKE) --no-print-directory kernels VENDOR=cpu
 	$(PY) -m engram_sglang.cli demo
 
 test: setup $(TEST_PREREQS)

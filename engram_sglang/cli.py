@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the served demo model's tables live (default: disk)")
     p.set_defaults(func=_cmd_demo)
 
+    from .demo_model import add_parser as add_demo_model_parser
+
+    add_demo_model_parser(sub)
+
     from . import planner
 
     planner.add_parser(sub)

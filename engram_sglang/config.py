@@ -120,8 +120,11 @@ class EngramConfig:
         return d
 
     def fingerprint(self) -> str:
-        """Stable digest of hash_fields(): a table built for another config is refused."""
-        blob = json.dumps(self.hash_fields(), sort_keys=True).encode()
+        """Stable digest of the fields that decide row ids: a table built for another config
+        is refused. Row counts are left out: they follow from these (EngramLayout checks a
+        config's stated counts), so a config.json that states them matches one that does not."""
+        fields = {k: v for k, v in self.hash_fields().items() if k != "engram_num_embeddings"}
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # ------------------------------------------------------------------ constructors

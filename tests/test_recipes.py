@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engram_sglang.serving.settings import KNOBS, ServeSettings
+
 from engram_sglang.planner import GIB, PLACEMENTS, load_gpus, plan, valid_tps
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "configs" / "recipes"
@@ -50,12 +52,16 @@ def test_recipe_fits_the_plan(path, recipe):
     assert re.fullmatch(r"\d+g", shm)
     assert int(shm[:-1]) * GIB >= p["dev_shm"]["needed_bytes"]
     assert shm == p["dev_shm"]["docker_shm_size"]
-    # The plugin's settings say the same thing as the recipe.
+    # The plugin reads the recipe's variables as the recipe means them.
     env = recipe["env"]
-    assert env["ENGRAM_PLACEMENT"] == recipe["placement"]
+    known = {k.env for k in KNOBS}
+    assert set(env) <= known, set(env) - known
+    settings = ServeSettings.from_env(env)
+    assert settings.placement == recipe["placement"]
     if recipe["placement"] == "host":
-        assert env["ENGRAM_HOST_LAYOUT"] == layout
-    assert float(env.get("ENGRAM_HOT_CACHE_GIB", 0)) == recipe["hot_cache_gib"]
+        assert settings.host_shared == (layout == "shared")
+    assert settings.cache_mib == int(recipe["hot_cache_gib"] * 1024)
+    settings.store_options()  # raises for a cache the placement cannot have
     # One-line reason a reader can act on.
     assert recipe["reason"] and "\n" not in recipe["reason"] and len(recipe["reason"]) < 240
 

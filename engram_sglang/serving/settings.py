@@ -48,6 +48,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
     Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
+    Knob("cache-mib", "int", 0, "host or disk placement: MiB of device memory (all Engram layers of a rank) for a "
+         "hot-row cache in front of the table; 0 for none"),
+    Knob("cache-profile", "str", None, "pre-warm the hot-row cache from this `engram-sglang profile` file"),
     Knob("prefetch", "bool", True, "gather every Engram layer's rows at the start of the step (off: gather "
          "inside each Engram layer)"),
     Knob("trace", "str", None, "append one JSON line per step (hash ids and row checksums per token) to this file"),
@@ -67,6 +70,8 @@ class ServeSettings:
     disk_threads: int = 64
     disk_direct: bool = False
     disk_retries: int = 2
+    cache_mib: int = 0
+    cache_profile: Optional[str] = None
     prefetch: bool = True
     trace: Optional[str] = None
     stats_file: Optional[str] = None
@@ -85,10 +90,14 @@ class ServeSettings:
 
     def store_options(self) -> dict:
         """open_store's options for this placement."""
+        cache = {"cache_bytes": self.cache_mib << 20, "cache_profile": self.cache_profile} if self.cache_mib else {}
         if self.placement == "host":
-            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages}
+            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages, **cache}
         if self.placement == "disk":
-            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries}
+            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries, **cache}
+        if self.cache_mib:
+            raise EngramConfigError("ENGRAM_CACHE_MIB (--engram-cache-mib) needs placement host or disk: "
+                                    "placement device already holds the table in device memory")
         return {}
 
 

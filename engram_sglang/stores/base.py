@@ -69,7 +69,10 @@ class TableStore(ABC):
         self.layer_id, self.path, self.rows = layer_id, path, rows
         self.row_range = row_range
         self.device = torch.device(device)
-        self.backend = backend
+        from ..ops import probe
+
+        # Resolved once (the probe logs its choice once); an explicit backend that cannot run raises here.
+        self.backend = probe.select_backend(self.device, backend).backend
         self._lock = threading.Lock()
         self._served_rows = 0
         self._unique_rows = 0
