@@ -83,8 +83,12 @@ def demo_model(workdir: Path) -> tuple[Path, bool]:
 
     model_dir = workdir / "model"
     stamp = model_dir / ".engram-demo-stamp"
-    # The generator and the corpus it reads (this file) decide the model's bytes.
-    want = hashlib.sha256(Path(generator.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
+    # The generator, the corpus it reads (this file) and the table format decide the model's bytes.
+    from . import config, hashing, rowformat, tablefile
+
+    sources = (generator, config, hashing, rowformat, tablefile)
+    blob = b"".join(Path(m.__file__).read_bytes() for m in sources) + Path(__file__).read_bytes()
+    want = hashlib.sha256(blob).hexdigest()[:16]
     if stamp.is_file() and stamp.read_text() == want:
         return model_dir, False
     generator.build_demo_model(model_dir, overwrite=True)
