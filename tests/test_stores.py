@@ -93,7 +93,7 @@ def test_every_placement_is_bit_exact(table_dir, tmp_path, rng, placement, optio
                 assert torch.equal(bf16_bits(store.prefetch(ids).wait()), bf16_bits(got))
             out = torch.empty(5, 256, dtype=torch.bfloat16)
             ids = random_ids(rng, LAYOUT.rows(L), (5,), dtype)
-            assert store.gather(ids, out=out) is out or torch.equal(bf16_bits(out), bf16_bits(reference(tables[L], ids)))
+            assert store.gather(ids, out=out) is out
             assert torch.equal(bf16_bits(out), bf16_bits(reference(tables[L], ids)))
             s = store.stats()
             assert s["placement"] == placement and s["rows_served"] > 0 and s["calls"] > 0
