@@ -6,6 +6,8 @@ SGLang's own metrics without extra wiring.
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..rowformat import ROW_BYTES
@@ -30,15 +32,22 @@ class _StoreMetrics:
     def _labels(store) -> dict:
         return {"layer": str(store.layer_id), "placement": store.placement}
 
+    @functools.lru_cache(maxsize=None)
+    def _hot(self, layer: str, placement: str):
+        """The per-call children, looked up once (labels() takes a lock and builds a key)."""
+        lab = {"layer": layer, "placement": placement}
+        return (self.rows.labels(**lab), self.bytes.labels(**lab), self.unique.labels(**lab),
+                self.read_seconds.labels(**lab))
+
     def served(self, store, n: int, unique: int | None = None) -> None:
-        lab = self._labels(store)
-        self.rows.labels(**lab).inc(n)
-        self.bytes.labels(**lab).inc(n * ROW_BYTES)
+        rows, nbytes, uniq, _ = self._hot(str(store.layer_id), store.placement)
+        rows.inc(n)
+        nbytes.inc(n * ROW_BYTES)
         if unique is not None:
-            self.unique.labels(**lab).inc(unique)
+            uniq.inc(unique)
 
     def read(self, store, unique: int, seconds: float) -> None:
-        self.read_seconds.labels(**self._labels(store)).observe(seconds)
+        self._hot(str(store.layer_id), store.placement)[3].observe(seconds)
 
     def error(self, store) -> None:
         self.read_errors.labels(**self._labels(store)).inc()

@@ -165,23 +165,24 @@ class DiskStore(TableStore):
         return s
 
     def _gather(self, ids, out):
-        # The ids visit the host once per call: the reads need them there.
-        flat = ids.reshape(-1).to("cpu", torch.int64)
-        uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: neighbours share pages
-        # Sorted ids: this shard's rows are one slice (boolean masks cost more than the reads).
-        first, end = (int(i) for i in torch.searchsorted(uniq, torch.tensor(self.row_range)))
-        wanted = uniq[first:end].numpy()
+        # The ids visit the host once per call: the reads need them there. The index work is
+        # numpy's: on a decode step's few hundred ids torch's per-op overhead dominated.
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        uniq, inverse = np.unique(flat, return_inverse=True)  # sorted: neighbours share pages
+        # Sorted ids: this shard's rows are one slice.
+        first, end = np.searchsorted(uniq, self.row_range)
+        wanted = uniq[first:end]
         # Staging index of each id; ids outside the shard point one past the staged rows,
         # which the op's row_range turns into +0.0 rows.
-        outside = (inverse < first) | (inverse >= end)
-        local = (inverse - first).masked_fill_(outside, wanted.shape[0])
+        local = inverse.reshape(-1) - first
+        local[(local < 0) | (local >= wanted.shape[0])] = wanted.shape[0]
         t0 = time.perf_counter()
         staging = self.read_packed(wanted)
         seconds = time.perf_counter() - t0
         self._read_latencies.append(seconds)
         METRICS.read(self, wanted.shape[0], seconds)
         table = torch.from_numpy(staging).to(self.device)
-        local = local.view(ids.shape).to(self.device)
+        local = torch.from_numpy(local).view(ids.shape).to(self.device)
         rows = _decode(table, local, out, (0, wanted.shape[0]), self.backend)
         METRICS.served(self, ids.numel(), unique=wanted.shape[0])
         return rows, wanted.shape[0]
