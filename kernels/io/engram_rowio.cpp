@@ -14,7 +14,6 @@
 //
 // No torch, no Python: loaded with ctypes. Built without -ffast-math like every kernel here.
 #include <atomic>
-#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <csetjmp>
@@ -27,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 namespace {
@@ -35,11 +35,16 @@ constexpr int64_t kRowBytes = 264;
 constexpr int64_t kPage = 4096;
 // Rows per work item: small, so a thread blocked on a cold page holds back few rows.
 constexpr int64_t kRowsPerItem = 4;
-// The calling thread's serial start (copy_mapped): rows between clock checks, and the time a
-// cached row may take on average before the rest goes to the pool (a miss costs ~50 us).
+// The calling thread's serial start (copy_mapped): rows between checks for major faults.
 constexpr int64_t kSerialStep = 64;
-constexpr int64_t kCachedRowBudgetNs = 1000;
-constexpr int64_t kCachedSlackNs = 20000;
+// Past this many rows even cached ones go faster on every core (a prefill chunk's rows).
+constexpr int64_t kSerialMax = 8192;
+
+long major_faults() {
+    struct rusage usage;
+    getrusage(RUSAGE_THREAD, &usage);
+    return usage.ru_majflt;
+}
 
 // ------------------------------------------------------------------ SIGBUS guard
 // volatile: the copy loop never reads it, so without it the compiler may drop the store
@@ -213,21 +218,22 @@ int engram_rowio_copy_mapped(const uint8_t* base, const int64_t* rows, int64_t n
                              int64_t* failed) {
     ensure_guard();
     // Cached rows cost ~0.1 us each and are done fastest by this thread alone; waking dozens of
-    // workers would cost more than the copy. So copy here while the rows keep coming at
-    // cached speed, and hand the rest to the pool (many faults in flight) as soon as they
-    // do not: a page-cache miss takes tens of microseconds, far past the budget.
+    // workers would cost more than the copy. So copy here until this thread takes a major
+    // page fault (a row that needed the disk) or has done a decode step's worth, then hand
+    // the rest to the pool, which keeps many such reads in flight. Major faults, not elapsed time, decide: a busy machine
+    // preempts this thread without any row being cold.
     int64_t start = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    while (start < n) {
-        const int64_t hi = std::min(n, start + kSerialStep);
+    const long major0 = major_faults();
+    const int64_t serial_end = std::min(n, kSerialMax);
+    while (start < serial_end) {
+        const int64_t hi = std::min(serial_end, start + kSerialStep);
         const int64_t bad = copy_guarded(base, rows, start, hi, out);
         if (bad >= 0) {
             *failed = bad;
             return 1;
         }
         start = hi;
-        const auto spent = std::chrono::steady_clock::now() - t0;
-        if (spent > std::chrono::nanoseconds(kCachedRowBudgetNs * start + kCachedSlackNs)) break;
+        if (major_faults() != major0) break;
     }
     std::atomic<int64_t> first{-1};
     const int64_t rest = n - start;
