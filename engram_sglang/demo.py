@@ -139,7 +139,7 @@ def run_demo(workdir: str | os.PathLike = "build/demo", placement: str = "disk",
           f"{stats['layer_seconds'] * 1e3:.2f} ms")
     for t in stats["tables"]:
         print(f"  layer {t['layer_id']}: {t['placement']}, {t['calls']} gathers, {t['rows_served']:,} rows "
-              f"({t['bytes_served'] / 1e6:.2f} MB packed), {t['unique_rows']:,} distinct per call, "
+              f"({t['bytes_served'] / 1e6:.2f} MB packed), {t['unique_rows']:,} read after deduplicating each call, "
               f"{t['gather_seconds'] * 1e3:.1f} ms gathering, {t['resident_bytes'] / 2**20:.1f} MiB resident")
 
     reference = ReferenceModel(model_dir, table_dir)
