@@ -27,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
+from common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json  # noqa: E402
 from test_gather import DECODE_IDS, PREFILL_IDS  # noqa: E402
 
 from engram_sglang import rowformat  # noqa: E402
@@ -70,18 +70,6 @@ def id_batches(shape, rows: int, dist: str, count: int, seed: int) -> list[torch
     # Zipf-skewed: hot n-grams recur; hot rows scattered over the table.
     perm = rng.permutation(rows)
     return [torch.from_numpy(perm[(rng.zipf(1.2, n) - 1) % rows]).view(shape) for _ in range(count)]
-
-
-def torch_copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
-    """torch's own copy (all intra-op threads), bytes read + written per second."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
 
 
 def time_calls(fn, batches) -> float:

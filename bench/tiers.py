@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, drop_file_cache, memcpy_bandwidth, print_table, write_json  # noqa: E402
+from common import OUT, drop_file_cache, print_table, torch_copy_bandwidth, write_json  # noqa: E402
 from workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hashed_streams, prefill_chunks  # noqa: E402
 
 from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
@@ -110,7 +110,7 @@ def main() -> int:
     root = ensure_table(cfg, args.rows_per_layer)
     path = root / layer_file_name(cfg.layer_ids[0])
 
-    limits = {"memcpy_GBps": memcpy_bandwidth() / 1e9}
+    limits = {"memcpy_GBps": torch_copy_bandwidth() / 1e9}  # all cores, as the gathers use
     limits["iops"], limits["iops_tool"] = disk_iops(path, args.iops_seconds, args.threads)
     results = []
     for placement, options, cold in [

@@ -86,18 +86,15 @@ class HostTable:
         self.huge_pages = huge_pages
         if shm_path is None:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self._advise_huge()
+            self._advise_huge(self.map)
             _fill(self.map, source, source_offset, nbytes)
             self._collapse()
         else:
-            self.map = _map_shared(shm_path, nbytes, source, source_offset, self._advise_huge_on)
+            self.map = _map_shared(shm_path, nbytes, source, source_offset, self._advise_huge)
         self.address = _address_of(self.map)
         self.registered = False
 
-    def _advise_huge(self) -> None:
-        self._advise_huge_on(self.map)
-
-    def _advise_huge_on(self, m: mmap.mmap) -> None:
+    def _advise_huge(self, m: mmap.mmap) -> None:
         if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 m.madvise(mmap.MADV_HUGEPAGE)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import EngramError
+from ..ops import gather_dequant
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, rowio
@@ -29,8 +30,6 @@ logger = logging.getLogger(__name__)
 
 
 def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str) -> torch.Tensor:
-    from ..ops import gather_dequant
-
     return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend)
 
 
