@@ -37,6 +37,8 @@ PLACEMENTS = [
     ("disk", {}),
     ("disk", {"direct": True, "threads": 8}),
     ("disk", {"threads": 1}),
+    # A DRAM row cache of ~240 rows in front: every call evicts, so slot mix-ups would show.
+    ("disk", {"dram_cache_bytes": 64 << 10, "direct": True, "threads": 8}),
 ]
 
 

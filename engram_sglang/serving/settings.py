@@ -48,6 +48,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
     Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
+    Knob("disk-dram-cache-mib", "int", 0, "disk placement: MiB of host memory (all Engram layers of a rank) for a "
+         "row cache in front of the table files; 0 for none (pair it with --engram-disk-direct on)"),
     Knob("cache-mib", "int", 0, "host or disk placement: MiB of device memory (all Engram layers of a rank) for a "
          "hot-row cache in front of the table; 0 for none"),
     Knob("cache-profile", "str", None, "pre-warm the hot-row cache from this `engram-sglang profile` file"),
@@ -70,6 +72,7 @@ class ServeSettings:
     disk_threads: int = 64
     disk_direct: bool = False
     disk_retries: int = 2
+    disk_dram_cache_mib: int = 0
     cache_mib: int = 0
     cache_profile: Optional[str] = None
     prefetch: bool = True
@@ -91,10 +94,15 @@ class ServeSettings:
     def store_options(self) -> dict:
         """open_store's options for this placement."""
         cache = {"cache_bytes": self.cache_mib << 20, "cache_profile": self.cache_profile} if self.cache_mib else {}
+        if self.disk_dram_cache_mib and self.placement != "disk":
+            raise EngramConfigError("ENGRAM_DISK_DRAM_CACHE_MIB (--engram-disk-dram-cache-mib) needs placement disk, "
+                                    f"got {self.placement}")
         if self.placement == "host":
             return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages, **cache}
         if self.placement == "disk":
-            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries, **cache}
+            dram = {"dram_cache_bytes": self.disk_dram_cache_mib << 20} if self.disk_dram_cache_mib else {}
+            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries, **dram,
+                    **cache}
         if self.cache_mib:
             raise EngramConfigError("ENGRAM_CACHE_MIB (--engram-cache-mib) needs placement host or disk: "
                                     "placement device already holds the table in device memory")

@@ -21,7 +21,7 @@ _CLASSES = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}
 _OPTIONS = {
     "device": set(),
     "host": {"shared", "shm_dir", "huge_pages"},
-    "disk": {"threads", "direct", "retries"},
+    "disk": {"threads", "direct", "retries", "dram_cache_bytes"},
 }
 
 
@@ -53,7 +53,8 @@ def open_store(
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
         sketch_depth.
     options : placement options: host `shared`, `shm_dir`, `huge_pages`; disk `threads`,
-        `direct`, `retries`.
+        `direct`, `retries`, `dram_cache_bytes` (host bytes, all layers of this rank, of a
+        row cache in front of the files, split like `cache_bytes`).
 
     A placement that cannot be honoured raises; it never falls back to another tier.
     """
@@ -68,10 +69,14 @@ def open_store(
     tables = open_tables(table_dir, cfg)
     if placement == "host":
         options.setdefault("fingerprint", tables.fingerprint)
+    dram_total = options.pop("dram_cache_bytes", 0)
+    held = {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()}
     stores: dict[int, TableStore] = {}
     try:
         for layer_id, info in sorted(tables.layers.items()):
             row_range = shard_range(info.rows, tp_rank, tp_size)
+            if dram_total:
+                options["dram_cache_bytes"] = dram_total * held[layer_id] // max(1, sum(held.values()))
             store = _CLASSES[placement](layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
             logger.info("%s", store.describe())

@@ -12,6 +12,7 @@ import mmap
 import os
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,7 @@ from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, rowio
 from .base import TableIOError, TableStore
+from .dram_cache import DramRowCache
 from .metrics import METRICS
 
 logger = logging.getLogger(__name__)
@@ -131,16 +133,27 @@ class DiskStore(TableStore):
     read; or by O_DIRECT preads with `direct=True`), stages them, and decodes with the
     same op as every placement. A failed read is retried through pread (which reports
     the real errno), then raises TableIOError for that call only.
+
+    `dram_cache_bytes` puts a row-granular DRAM cache (DramRowCache) in front of the file:
+    hits are copied from it, misses read from the file and admitted. `read_ahead(ids)`
+    reads rows into it before the step that needs them (a prefill's next chunk).
     """
 
     placement = "disk"
     needs_host_ids = True
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
-                 retries: int = 2):
+                 retries: int = 2, dram_cache_bytes: int = 0):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         if threads < 1:
             raise EngramError(f"disk store: threads must be >= 1, got {threads}")
+        if dram_cache_bytes < 0:
+            raise EngramError(f"disk store: dram_cache_bytes must be >= 0, got {dram_cache_bytes}")
+        lo, hi = row_range
+        self.dram = DramRowCache(dram_cache_bytes, max_rows=hi - lo) if dram_cache_bytes else None
+        self._file_rows = 0  # rows read from the file (cache misses), all calls
+        self._ahead: Optional[ThreadPoolExecutor] = None
+        self._ahead_rows = 0
         rowio.library()  # fail at start-up, not at the first request, when it is not built
         self.threads, self.direct, self.retries = threads, direct, retries
         self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -160,7 +173,10 @@ class DiskStore(TableStore):
         s = super().stats()
         lat = np.array(self._read_latencies) if self._read_latencies else np.zeros(1)
         s.update(reads=len(self._read_latencies), read_ms_p50=1e3 * float(np.percentile(lat, 50)),
-                 read_ms_p99=1e3 * float(np.percentile(lat, 99)), direct=self.direct, threads=self.threads)
+                 read_ms_p99=1e3 * float(np.percentile(lat, 99)), direct=self.direct, threads=self.threads,
+                 file_rows_read=self._file_rows, read_ahead_rows=self._ahead_rows)
+        if self.dram is not None:
+            s.update(self.dram.stats())
         return s
 
     def _gather(self, ids, out):
@@ -187,11 +203,67 @@ class DiskStore(TableStore):
         return rows, wanted.shape[0]
 
     def read_packed(self, wanted: np.ndarray) -> np.ndarray:
-        """Packed rows [n, 264] of sorted distinct global row ids (all inside this file)."""
+        """Packed rows [n, 264] of sorted distinct global row ids (all inside this file),
+        from the DRAM cache where it holds them, else from the file (then admitted)."""
+        wanted = np.ascontiguousarray(wanted, dtype=np.int64)
+        if self.dram is None or wanted.shape[0] == 0:
+            staging = self._read_file(wanted)
+            self._file_rows += wanted.shape[0]
+            return staging
+        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+        with self.dram.lock:
+            hit, slot = self.dram.lookup(wanted)
+            self.dram.copy_hits(slot, hit, staging)
+        if hit.all():
+            return staging
+        missed = wanted[~hit]
+        got = self._read_file(missed)  # the lock is free meanwhile: read-ahead may run
+        staging[~hit] = got
+        self._file_rows += missed.shape[0]
+        with self.dram.lock:
+            new = ~self.dram.contains(missed)  # read ahead by another thread meanwhile
+            self.dram.admit(missed[new], got[new])
+        return staging
+
+    def read_ahead(self, ids: torch.Tensor | np.ndarray) -> Optional[Future]:
+        """Start reading the rows of `ids` (any shape; other shards' ids ignored) into the
+        DRAM cache, or into the page cache when there is none; returns a Future of the rows
+        read, or None when nothing would keep them (O_DIRECT reads and no DRAM cache).
+        Reads run on one background thread, in order; a failure is logged, never raised:
+        the gather that needs the rows reads them again and reports it."""
+        if self.dram is None and self.direct:
+            return None
+        flat = ids.reshape(-1).to("cpu", torch.int64).numpy() if isinstance(ids, torch.Tensor) else ids.reshape(-1)
+        uniq = np.unique(flat)
+        first, end = np.searchsorted(uniq, self.row_range)
+        wanted = uniq[first:end].astype(np.int64)
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-ahead-l{self.layer_id}")
+        return self._ahead.submit(self._read_ahead, wanted)
+
+    def _read_ahead(self, wanted: np.ndarray) -> int:
+        try:
+            if self.dram is not None:
+                with self.dram.lock:
+                    wanted = wanted[~self.dram.contains(wanted)]
+            got = self._read_file(wanted)
+            self._file_rows += wanted.shape[0]
+            self._ahead_rows += wanted.shape[0]
+            if self.dram is not None:
+                with self.dram.lock:
+                    new = ~self.dram.contains(wanted)
+                    self.dram.begin()
+                    self.dram.admit(wanted[new], got[new])
+            return int(wanted.shape[0])
+        except Exception as e:  # noqa: BLE001 - the gather that needs these rows reports it
+            logger.warning("engram layer %d: read-ahead of %d rows failed: %s", self.layer_id, wanted.shape[0], e)
+            return 0
+
+    def _read_file(self, wanted: np.ndarray) -> np.ndarray:
+        """Packed rows [n, 264] of sorted distinct row ids, read from the file."""
         staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
         if wanted.shape[0] == 0:
             return staging
-        wanted = np.ascontiguousarray(wanted, dtype=np.int64)
         size = os.fstat(self._fd).st_size
         last = int(wanted[-1])
         if DATA_OFFSET + (last + 1) * ROW_BYTES > size:
@@ -217,10 +289,21 @@ class DiskStore(TableStore):
 
     def describe(self) -> str:
         how = "O_DIRECT preads" if self.direct else "page cache through a persistent mapping"
-        return f"{super().describe()}, {how}, {self.threads} reads in flight"
+        cache = ""
+        if self.dram is not None:
+            lo, hi = self.row_range
+            cache = (f", DRAM row cache {self.dram.nbytes / 2**30:.2f} GiB ({self.dram.slots:,} rows, "
+                     f"{self.dram.slots / max(1, hi - lo):.1%} of the shard)")
+        return f"{super().describe()}, {how}, {self.threads} reads in flight{cache}"
 
     def close(self) -> None:
         super().close()
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+            self._ahead = None
+        if self.dram is not None:
+            self.dram.close()
+            self.dram = None
         if self._map is not None:
             try:
                 self._map.close()

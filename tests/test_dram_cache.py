@@ -1,0 +1,183 @@
+"""The disk tier's DRAM row cache: bit-exact, LRU within a set, and read-ahead that saves reads."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_config
+from engram_sglang import rowformat
+from engram_sglang.errors import EngramConfigError, EngramError
+from engram_sglang.hashing import EngramLayout
+from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.serving.settings import ServeSettings
+from engram_sglang.stores import open_store
+from engram_sglang.stores.dram_cache import DramRowCache, plan_slots
+from engram_sglang.tablefile import write_tables
+
+CFG = small_config(400)
+LAYOUT = EngramLayout(CFG)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rows = {L: rng.integers(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=np.uint8) for L in CFG.layer_ids}
+    return write_tables(tmp_path_factory.mktemp("t") / "t", CFG, rows, progress=False), rows
+
+
+def reference(rows: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
+    return rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).numpy()])).view(*ids.shape, 256)
+
+
+def rows_of(ids: np.ndarray) -> np.ndarray:
+    """A recognisable packed row per id (its id's bytes repeated)."""
+    return np.repeat(ids.astype("<i8").view(np.uint8).reshape(-1, 8), ROW_BYTES // 8, axis=1)
+
+
+def test_lookup_returns_what_was_admitted_and_lru_evicts_within_a_set():
+    cache = DramRowCache(plan_slots(1, 1) + 4 * 16 * (ROW_BYTES + 16), ways=4)
+    assert cache.slots == 64 and cache.sets == 16
+    ids = np.arange(0, 5000, dtype=np.int64)
+    one_set = ids[cache.set_of(ids) == 3][:6]  # six ids of one four-way set
+    with cache.lock:
+        hit, _ = cache.lookup(one_set[:4])
+        assert not hit.any()
+        assert cache.admit(one_set[:4], rows_of(one_set[:4])) == 4
+        hit, slot = cache.lookup(one_set[[0, 2]])  # 0 and 2 are now the recently used ones
+        assert hit.all()
+        out = np.zeros((2, ROW_BYTES), np.uint8)
+        cache.copy_hits(slot, hit, out)
+        assert np.array_equal(out, rows_of(one_set[[0, 2]]))
+        cache.lookup(np.array([], np.int64))  # a later call: 0 and 2 are no longer protected
+        assert cache.admit(one_set[4:6], rows_of(one_set[4:6])) == 2  # evicts 1 and 3, the LRU ways
+    assert cache.contains(one_set).tolist() == [True, False, True, False, True, True]
+
+
+def test_rows_hit_by_the_same_call_are_never_evicted_and_a_set_takes_at_most_its_ways():
+    cache = DramRowCache(8 * 2 * (ROW_BYTES + 16), ways=2)
+    ids = np.arange(0, 5000, dtype=np.int64)
+    s0 = ids[cache.set_of(ids) == 0][:5]
+    with cache.lock:
+        cache.lookup(s0[:1])
+        cache.admit(s0[:1], rows_of(s0[:1]))
+        hit, _ = cache.lookup(s0[:1])  # hit in this call
+        assert hit.all()
+        # Four misses of the same set: one free way, and the hit row stays.
+        assert cache.admit(s0[1:5], rows_of(s0[1:5])) == 1
+    assert cache.contains(s0[:1]).all() and cache.contains(s0[1:5]).sum() == 1
+
+
+def test_too_small_a_cache_is_one_clear_error():
+    with pytest.raises(EngramError, match="holds no full set"):
+        DramRowCache(100)
+
+
+def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(tables, rng):
+    root, rows = tables
+    L = CFG.layer_ids[0]
+    store = open_store(root, "disk", cfg=CFG, direct=True, threads=8, dram_cache_bytes=4 << 20)[L]
+    try:
+        ids = torch.randint(0, LAYOUT.rows(L), (64, 24), generator=rng)
+        ids[0, :2] = torch.tensor([0, LAYOUT.rows(L) - 1])  # first and last row
+        first = store.gather(ids)
+        read = store.stats()["file_rows_read"]
+        assert read == torch.unique(ids).numel()
+        again = store.gather(ids.flip(0))
+        assert store.stats()["file_rows_read"] == read  # every row from DRAM
+        assert torch.equal(bf16_bits(first), bf16_bits(reference(rows[L], ids)))
+        assert torch.equal(bf16_bits(again), bf16_bits(reference(rows[L], ids.flip(0))))
+        s = store.stats()
+        assert s["dram_cache_hit_rate"] == pytest.approx(0.5) and s["dram_cache_rows"] > 2 * 64 * 24
+        assert "DRAM row cache" in store.describe()
+    finally:
+        store.close()
+
+
+def test_a_tiny_cache_under_heavy_eviction_stays_bit_exact(tables, rng):
+    root, rows = tables
+    for L, store in open_store(root, "disk", cfg=CFG, dram_cache_bytes=24 << 10, threads=4).items():
+        try:
+            for _ in range(30):
+                ids = torch.randint(0, min(600, LAYOUT.rows(L)), (int(torch.randint(1, 200, (1,), generator=rng)),),
+                                    generator=rng)
+                assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(rows[L], ids)))
+            assert 0 < store.stats()["dram_cache_hit_rate"] < 1
+        finally:
+            store.close()
+
+
+def test_read_ahead_fills_the_cache_so_the_gather_reads_nothing(tables, rng):
+    root, rows = tables
+    L = CFG.layer_ids[-1]
+    store = open_store(root, "disk", cfg=CFG, direct=True, dram_cache_bytes=64 << 20)[L]
+    try:
+        ids = torch.randint(0, LAYOUT.rows(L), (300, 24), generator=rng)
+        assert store.read_ahead(ids).result() == torch.unique(ids).numel()
+        before = store.stats()["file_rows_read"]
+        got = store.gather(ids)
+        assert store.stats()["file_rows_read"] == before  # read ahead: no file read now
+        assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[L], ids)))
+        assert store.read_ahead(ids).result() == 0  # all cached already
+    finally:
+        store.close()
+    plain = open_store(root, "disk", cfg=CFG, direct=True)[L]
+    try:
+        assert plain.read_ahead(torch.zeros(3, dtype=torch.int64)) is None  # nothing would keep the rows
+    finally:
+        plain.close()
+
+
+def test_a_failed_read_ahead_is_logged_and_the_gather_still_reports_it(tables, monkeypatch, caplog):
+    from engram_sglang.stores import rowio
+    from engram_sglang.stores.base import TableIOError
+
+    root, _ = tables
+    L = CFG.layer_ids[0]
+    store = open_store(root, "disk", cfg=CFG, direct=True, retries=0, dram_cache_bytes=1 << 20)[L]
+    monkeypatch.setattr(rowio, "pread_rows", lambda *a, **k: (5, 0))  # EIO on every read
+    try:
+        ids = torch.arange(10)
+        assert store.read_ahead(ids).result() == 0
+        assert "read-ahead of 10 rows failed" in caplog.text
+        with pytest.raises(TableIOError, match="Input/output error"):
+            store.gather(ids)
+    finally:
+        store.close()
+
+
+def test_the_dram_cache_splits_over_layers_and_shards(tables):
+    root, _ = tables
+    stores = open_store(root, "disk", cfg=CFG, dram_cache_bytes=2 << 20, tp_rank=1, tp_size=2)
+    try:
+        total = sum(s.dram.nbytes for s in stores.values())
+        assert 0.9 * (2 << 20) <= total <= 2 << 20 or all(
+            s.dram.slots >= s.row_range[1] - s.row_range[0] for s in stores.values())
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def test_hot_row_cache_over_a_dram_cached_disk_store_is_bit_exact(tables, rng):
+    root, rows = tables
+    stores = open_store(root, "disk", cfg=CFG, direct=True, dram_cache_bytes=256 << 10, cache_bytes=256 << 10)
+    try:
+        for L, store in stores.items():
+            for _ in range(12):
+                ids = torch.randint(0, LAYOUT.rows(L), (32, 24), generator=rng)
+                assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(rows[L], ids)))
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def test_settings_knob():
+    s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "disk", "ENGRAM_DISK_DRAM_CACHE_MIB": "512"})
+    assert s.store_options()["dram_cache_bytes"] == 512 << 20
+    with pytest.raises(EngramConfigError, match="needs placement disk"):
+        ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_DISK_DRAM_CACHE_MIB": "1"}).store_options()
+    with pytest.raises(EngramConfigError, match="must be >= 0"):
+        ServeSettings.from_env({"ENGRAM_DISK_DRAM_CACHE_MIB": "-1"})
