@@ -6,7 +6,14 @@ are realistic. Limits measured in the same run: memcpy bandwidth and the disk's 
 read IOPS (fio when installed, else the store's own O_DIRECT path at the same queue depth).
 The cold disk case evicts the table file from the page cache before every call.
 
-    python bench/tiers.py [--rows-per-layer 16000000] [--kind code|prose]
+`--part pipeline` (also in `all`) measures the disk pipeline on a table larger than this
+machine's RAM (default 1.25x), read by O_DIRECT behind the DRAM row cache at 0, 1% and 10%
+of the table: per decode step (batch 16, 64, 256 concurrent streams, after a warm-up of
+`--warm-tokens` tokens) its time against the floor its unique misses set at the same-run
+IOPS; per prefill chunk the rate of its misses against that IOPS, and how much of a chunk's
+reads read-ahead hides behind the previous chunk. `--part placements` is the first part only.
+
+    python bench/tiers.py [--rows-per-layer 16000000] [--kind code|prose] [--part all|placements|pipeline]
 """
 
 from __future__ import annotations
@@ -48,6 +55,37 @@ def ensure_table(cfg, rows: int) -> Path:
     chunks = (rng.integers(0, 256, (min(1 << 18, n - lo), ROW_BYTES), dtype=np.uint8) for lo in range(0, n, 1 << 18))
     print(f"writing a {n * ROW_BYTES / 2**30:.1f} GiB table to {root} ...", flush=True)
     return write_tables(root, cfg, {cfg.layer_ids[0]: chunks})
+
+
+def ensure_big_table(cfg) -> Path:
+    """A table of random rows that does not fit in RAM, written once (block-wise: random
+    bytes from a generator are slower than the disk)."""
+    root = OUT / f"tiers-big-{cfg.fingerprint()}"
+    try:
+        open_tables(root, cfg)
+        return root
+    except EngramError:
+        pass
+    from engram_sglang.hashing import EngramLayout
+
+    n = EngramLayout(cfg).rows(cfg.layer_ids[0])
+    block = np.random.default_rng(1).integers(0, 256, (1 << 18, ROW_BYTES), dtype=np.uint8)
+
+    def chunks():
+        for k, lo in enumerate(range(0, n, 1 << 18)):
+            rows = np.roll(block, k, axis=0)[: min(1 << 18, n - lo)]
+            rows[:, :8] = np.arange(lo, lo + rows.shape[0], dtype="<i8").view(np.uint8).reshape(-1, 8)
+            yield rows
+
+    print(f"writing a {n * ROW_BYTES / 2**30:.1f} GiB table to {root} (RAM {ram_bytes() / 2**30:.1f} GiB) ...",
+          flush=True)
+    root = write_tables(root, cfg, {cfg.layer_ids[0]: chunks()})
+    drop_file_cache(root / layer_file_name(cfg.layer_ids[0]))
+    return root
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def disk_iops(path: Path, seconds: float, threads: int) -> tuple[float, str]:
@@ -100,8 +138,24 @@ def main() -> int:
     ap.add_argument("--prefill-chunks", type=int, default=3)
     ap.add_argument("--threads", type=int, default=64, help="disk reads in flight")
     ap.add_argument("--iops-seconds", type=float, default=5.0)
+    ap.add_argument("--part", choices=("all", "placements", "pipeline"), default="all")
+    ap.add_argument("--big-table-ratio", type=float, default=1.25, help="pipeline table size / RAM")
+    ap.add_argument("--dram-shares", default="0,0.01,0.1", help="DRAM row cache sizes, shares of the table")
+    ap.add_argument("--batches", default="16,64,256", help="decode batch sizes (concurrent streams)")
+    ap.add_argument("--warm-tokens", type=int, default=65536, help="decode tokens read before measuring")
+    ap.add_argument("--measure-steps", type=int, default=40)
+    ap.add_argument("--chunk-compute-ms", type=float, default=1000.0,
+                    help="model time of one 8192-token prefill chunk, all layers (stand-in: a sleep). Default: "
+                         "~37e9 active params x 2 x 8192 tokens at ~600 TFLOP/s, a DeepSeek-class model on an H200")
     args = ap.parse_args()
+    if args.part in ("all", "placements"):
+        placements(args)
+    if args.part in ("all", "pipeline"):
+        pipeline(args)
+    return 0
 
+
+def placements(args) -> None:
     cfg, streams, n_tokens = hashed_streams(args.rows_per_layer, args.kind, layer_ids=(1,))
     decode = decode_steps(streams, 0, args.decode_steps)
     prefill = prefill_chunks(streams, 0, args.prefill_chunks)
@@ -150,7 +204,6 @@ def main() -> int:
     )
     write_json("tiers", {"args": vars(args), "limits": limits, "results": results})
     plot(results, limits)
-    return 0
 
 
 def plot(results, limits) -> None:
@@ -174,6 +227,156 @@ def plot(results, limits) -> None:
     fig.tight_layout()
     fig.savefig(OUT / "tiers.png", dpi=110)
     print(f"wrote {OUT / 'tiers.json'} and {OUT / 'tiers.png'}")
+
+
+# ------------------------------------------------------------------ disk pipeline
+def pipeline(args) -> None:
+    rows = int(args.big_table_ratio * ram_bytes() / ROW_BYTES)
+    cfg, streams, n_tokens = hashed_streams(rows, args.kind, layer_ids=(1,))
+    root = ensure_big_table(cfg)
+    path = root / layer_file_name(cfg.layer_ids[0])
+    table_bytes = path.stat().st_size
+    shares = [float(x) for x in args.dram_shares.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    iops, iops_tool = disk_iops(path, args.iops_seconds, args.threads)
+    print(f"pipeline: {table_bytes / 2**30:.1f} GiB table, RAM {ram_bytes() / 2**30:.1f} GiB, {n_tokens:,} tokens of "
+          f"{args.kind}; disk {iops / 1e3:.1f} k IOPS ({iops_tool})", flush=True)
+    chunks = prefill_chunks(streams, 0, 2 * args.prefill_chunks + 1)
+    decode, prefill = [], []
+    for share in shares:
+        for batch in batches:
+            store = open_store(root, "disk", cfg=cfg, threads=args.threads, direct=True,
+                               dram_cache_bytes=int(share * table_bytes))[cfg.layer_ids[0]]
+            try:
+                decode.append(decode_run(store, streams, batch, args, iops) | {"dram_share": share})
+            finally:
+                store.close()
+            d = decode[-1]
+            print(f"  DRAM {share:>5.0%} batch {batch:3d}: {d['ms_per_step']:7.2f} ms/step, floor "
+                  f"{d['floor_ms_per_step']:6.2f} ms, x{d['vs_floor']:.2f}, hit {d['dram_hit_rate']:.0%}", flush=True)
+        store = open_store(root, "disk", cfg=cfg, threads=args.threads, direct=True,
+                           dram_cache_bytes=int(share * table_bytes))[cfg.layer_ids[0]]
+        try:
+            prefill.append(prefill_run(store, chunks, iops, args.chunk_compute_ms / 1e3) | {"dram_share": share})
+        finally:
+            store.close()
+        p = prefill[-1]
+        print(f"  DRAM {share:>5.0%} prefill: misses at {p['miss_rows_per_s'] / 1e3:.1f} k rows/s = "
+              f"{p['vs_iops']:.0%} of IOPS; read-ahead hides {p['hidden_share']:.0%}", flush=True)
+
+    limits = {"iops": iops, "iops_tool": iops_tool, "ram_bytes": ram_bytes(), "table_bytes": table_bytes}
+    print_table(
+        f"Disk tier decode steps, {table_bytes / 2**30:.1f} GiB table (RAM {ram_bytes() / 2**30:.1f} GiB), O_DIRECT, "
+        f"{iops / 1e3:.1f} k IOPS same run",
+        ["DRAM cache", "batch", "ms/step", "p99 ms", "misses/step", "floor ms", "vs floor", "DRAM hit", "CPU ms/step"],
+        [[f"{d['dram_share']:.0%}", d["batch"], d["ms_per_step"], d["p99_ms"], d["misses_per_step"],
+          d["floor_ms_per_step"], d["vs_floor"], f"{d['dram_hit_rate']:.0%}", d["cpu_ms_per_step"]] for d in decode])
+    print_table(
+        "Disk tier prefill chunks (8192 tokens x 24 rows)",
+        ["DRAM cache", "ms/chunk", "read ms", "unique", "misses", "miss rows/s", "vs IOPS", "exposed read ms w/ read-ahead",
+         "hidden"],
+        [[f"{p['dram_share']:.0%}", p["ms_per_chunk"], p["read_ms_per_chunk"], p["unique_per_chunk"], p["misses_per_chunk"],
+          p["miss_rows_per_s"], f"{p['vs_iops']:.0%}", p["exposed_ms_read_ahead"], f"{p['hidden_share']:.0%}"]
+         for p in prefill])
+    write_json("tiers-pipeline", {"args": vars(args), "limits": limits, "decode": decode, "prefill": prefill})
+    plot_pipeline(decode, prefill, limits)
+
+
+def decode_run(store, streams, batch: int, args, iops: float) -> dict:
+    """Warm the DRAM cache with `warm_tokens` tokens of `batch` streams, then time steps."""
+    length = min(s.shape[0] for s in streams)
+    warm_steps = min(length - args.measure_steps, max(1, args.warm_tokens // batch))
+    step_ids = (torch.stack([streams[b][t, 0] for b in range(batch)]) for t in range(warm_steps + args.measure_steps))
+    times, floors, misses, cpu = [], [], [], 0.0
+    for t, ids in enumerate(step_ids):
+        if t < warm_steps:
+            store.gather(ids)
+            continue
+        if t == warm_steps:
+            hits0, looked0 = store.dram.hits if store.dram else 0, store.dram.lookups if store.dram else 0
+        read0 = store.stats()["file_rows_read"]
+        c0, t0 = time.process_time(), time.perf_counter()
+        store.gather(ids)
+        times.append(time.perf_counter() - t0)
+        cpu += time.process_time() - c0
+        misses.append(store.stats()["file_rows_read"] - read0)
+        floors.append(misses[-1] / iops)
+    looked = (store.dram.lookups - looked0) if store.dram else 1
+    hit = ((store.dram.hits - hits0) / max(1, looked)) if store.dram else 0.0
+    t = np.array(times)
+    return {"batch": batch, "warm_steps": warm_steps, "steps": len(times), "ms_per_step": 1e3 * t.mean(),
+            "p99_ms": 1e3 * float(np.percentile(t, 99)), "misses_per_step": float(np.mean(misses)),
+            "floor_ms_per_step": 1e3 * float(np.mean(floors)), "vs_floor": t.sum() / max(sum(floors), 1e-9),
+            "dram_hit_rate": hit, "cpu_ms_per_step": 1e3 * cpu / len(times)}
+
+
+def prefill_run(store, chunks, iops: float, compute_s: float) -> dict:
+    """Half the chunks without read-ahead: the rate of their misses (rows read from the
+    file / the read's own time). The other half (other text) with read-ahead: chunk k+1's
+    rows read into the DRAM cache while chunk k is gathered and computed (a sleep of
+    `compute_s`, a stand-in for the model's layers on that chunk); what stays exposed is
+    the read time left in chunk k+1's gather."""
+    n = (len(chunks) - 1) // 2
+    plain, ahead_set = chunks[:n], chunks[n:]
+
+    def gather(ids):
+        read0, uniq0 = store.stats()["file_rows_read"], store.stats()["unique_rows"]
+        t0 = time.perf_counter()
+        store.gather(ids)
+        total = time.perf_counter() - t0
+        s = store.stats()
+        return total, store._read_latencies[-1], s["file_rows_read"] - read0, s["unique_rows"] - uniq0
+
+    runs = [gather(ids) for ids in plain]
+    total, read, misses, unique = (np.array(x, dtype=float) for x in zip(*runs))
+    rate = misses.sum() / read.sum()
+    exposed, hidden_reads = [], 0
+    pending = store.read_ahead(ahead_set[0])
+    if pending is not None:
+        pending.result()  # the first chunk of a prompt has nothing to hide behind
+    for k in range(len(ahead_set) - 1):
+        pending = store.read_ahead(ahead_set[k + 1])
+        exposed.append(gather(ahead_set[k])[1])
+        time.sleep(compute_s)
+        if pending is not None:
+            hidden_reads += pending.result()
+    return {"chunks": n, "ms_per_chunk": 1e3 * total.mean(), "read_ms_per_chunk": 1e3 * read.mean(),
+            "unique_per_chunk": unique.mean(), "misses_per_chunk": misses.mean(), "miss_rows_per_s": rate,
+            "vs_iops": rate / iops, "compute_ms": 1e3 * compute_s,
+            "exposed_ms_read_ahead": 1e3 * float(np.mean(exposed)), "read_ahead_rows": hidden_reads,
+            "hidden_share": 1 - float(np.mean(exposed)) / read.mean()}
+
+
+def plot_pipeline(decode, prefill, limits) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for share in sorted({d["dram_share"] for d in decode}):
+        ds = [d for d in decode if d["dram_share"] == share]
+        ax.plot([d["batch"] for d in ds], [d["ms_per_step"] for d in ds], "o-", label=f"DRAM {share:.0%}: measured")
+        ax.plot([d["batch"] for d in ds], [d["floor_ms_per_step"] for d in ds], "x--", label=f"DRAM {share:.0%}: floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch (streams)")
+    ax.set_ylabel("ms per step (one layer)")
+    ax.set_title("decode step vs unique misses / IOPS")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.bar([f"{p['dram_share']:.0%}" for p in prefill], [p["miss_rows_per_s"] / 1e3 for p in prefill])
+    ax.axhline(limits["iops"] / 1e3, color="tab:red", ls="--", label=f"IOPS {limits['iops'] / 1e3:.0f} k")
+    ax.axhline(0.7 * limits["iops"] / 1e3, color="tab:red", ls=":", label="70% of IOPS")
+    ax.set_xlabel("DRAM row cache (share of the table)")
+    ax.set_ylabel("k missed rows / s")
+    ax.set_title("prefill chunk reads")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Disk tier, {limits['table_bytes'] / 2**30:.0f} GiB table > {limits['ram_bytes'] / 2**30:.0f} GiB RAM")
+    fig.tight_layout()
+    fig.savefig(OUT / "tiers-pipeline.png", dpi=110)
+    print(f"wrote {OUT / 'tiers-pipeline.json'} and {OUT / 'tiers-pipeline.png'}")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,7 @@ def test_a_failed_read_ahead_is_logged_and_the_gather_still_reports_it(tables, m
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, retries=0, dram_cache_bytes=1 << 20)[L]
     monkeypatch.setattr(rowio, "pread_rows", lambda *a, **k: (5, 0))  # EIO on every read
+    monkeypatch.setattr(rowio, "aio_read_rows", lambda *a, **k: (5, 0))
     try:
         ids = torch.arange(10)
         assert store.read_ahead(ids).result() == 0
@@ -181,3 +182,58 @@ def test_settings_knob():
         ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_DISK_DRAM_CACHE_MIB": "1"}).store_options()
     with pytest.raises(EngramConfigError, match="must be >= 0"):
         ServeSettings.from_env({"ENGRAM_DISK_DRAM_CACHE_MIB": "-1"})
+
+
+def test_direct_reads_go_by_native_aio_and_fall_back_to_pread(tables, rng, monkeypatch, caplog):
+    from engram_sglang.stores import rowio
+
+    root, rows = tables
+    L = CFG.layer_ids[0]
+    store = open_store(root, "disk", cfg=CFG, direct=True, threads=16)[L]
+    try:
+        assert "native AIO" in store.describe()
+        calls = []
+        real_aio, real_pread = rowio.aio_read_rows, rowio.pread_rows
+        monkeypatch.setattr(rowio, "aio_read_rows", lambda *a, **k: calls.append("aio") or real_aio(*a, **k))
+        monkeypatch.setattr(rowio, "pread_rows", lambda *a, **k: calls.append("pread") or real_pread(*a, **k))
+        ids = torch.randint(0, LAYOUT.rows(L), (200, 24), generator=rng)
+        ids[0, 0] = LAYOUT.rows(L) - 1  # the last row: the file's last page is partial
+        assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(rows[L], ids)))
+        assert calls == ["aio"]
+        # An AIO error is retried by pread, which serves the call.
+        monkeypatch.setattr(rowio, "aio_read_rows", lambda *a, **k: calls.append("aio") or (5, 3))
+        assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(rows[L], ids)))
+        assert calls[1:] == ["aio", "pread"]
+        # No AIO on this kernel: one warning, then pread only.
+        monkeypatch.setattr(rowio, "aio_read_rows", lambda *a, **k: calls.append("aio") or (rowio.AIO_UNAVAILABLE, -1))
+        store.gather(ids)
+        store.gather(ids)
+        assert calls[3:] == ["aio", "pread", "pread"] and "native AIO is unavailable" in caplog.text
+    finally:
+        store.close()
+
+
+def test_native_aio_reads_every_row_of_random_requests(tmp_path, rng):
+    """Merged extents (neighbouring rows), single rows, and the partial last page."""
+    from engram_sglang.stores import rowio
+    from engram_sglang.tablefile import DATA_OFFSET
+
+    n_rows = 50_000
+    data = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=rng))).integers(
+        0, 256, (n_rows, ROW_BYTES), dtype=np.uint8)
+    path = tmp_path / "rows"
+    path.write_bytes(b"\0" * DATA_OFFSET + data.tobytes())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for size in (1, 7, 500, 20_000):
+            want = np.unique(torch.randint(0, n_rows, (size,), generator=rng).numpy()).astype(np.int64)
+            want[-1] = n_rows - 1
+            want = np.unique(want)
+            out = np.zeros((want.shape[0], ROW_BYTES), np.uint8)
+            assert rowio.aio_read_rows(fd, DATA_OFFSET, want, out, 32) == (0, -1)
+            assert np.array_equal(out, data[want])
+        past = np.array([n_rows + 20], dtype=np.int64)  # past the end: a short read, named
+        out = np.zeros((1, ROW_BYTES), np.uint8)
+        assert rowio.aio_read_rows(fd, DATA_OFFSET, past, out, 4) == (-1, 0)
+    finally:
+        os.close(fd)

@@ -130,7 +130,8 @@ class DiskStore(TableStore):
 
     Each call dedupes its ids, reads the unique rows in its shard with `threads` reads in
     flight (through a persistent MADV_RANDOM mapping, so page-cached rows cost a memory
-    read; or by O_DIRECT preads with `direct=True`), stages them, and decodes with the
+    read; or with `direct=True` by O_DIRECT reads through native AIO, falling back to
+    threads of pread where AIO is unavailable), stages them, and decodes with the
     same op as every placement. A failed read is retried through pread (which reports
     the real errno), then raises TableIOError for that call only.
 
@@ -157,6 +158,7 @@ class DiskStore(TableStore):
         rowio.library()  # fail at start-up, not at the first request, when it is not built
         self.threads, self.direct, self.retries = threads, direct, retries
         self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        self._aio = direct  # O_DIRECT reads by native AIO while the kernel allows it
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._map = None
         if not direct:
@@ -273,7 +275,17 @@ class DiskStore(TableStore):
             )
         if self._map is not None and rowio.copy_mapped(self._base, wanted, staging, self.threads) < 0:
             return staging
-        # The mapping faulted (I/O error or truncation), or direct I/O: pread reports why.
+        if self._map is None and self._aio:
+            err, _ = rowio.aio_read_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads)
+            if err == 0:
+                return staging
+            if err == rowio.AIO_UNAVAILABLE:
+                self._aio = False
+                logger.warning("engram layer %d: native AIO is unavailable (io_setup failed; raise "
+                               "/proc/sys/fs/aio-max-nr?): reading by %d threads of pread instead",
+                               self.layer_id, self.threads)
+        # The mapping faulted (I/O error or truncation), AIO failed or is unavailable: pread
+        # retries and reports why.
         err, failed = 0, -1
         for attempt in range(self.retries + 1):
             err, failed = rowio.pread_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads, self.direct)
@@ -288,7 +300,8 @@ class DiskStore(TableStore):
         )
 
     def describe(self) -> str:
-        how = "O_DIRECT preads" if self.direct else "page cache through a persistent mapping"
+        how = (("O_DIRECT native AIO" if self._aio else "O_DIRECT preads") if self.direct
+               else "page cache through a persistent mapping")
         cache = ""
         if self.dram is not None:
             lo, hi = self.row_range

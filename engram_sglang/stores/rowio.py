@@ -31,7 +31,21 @@ def library() -> ctypes.CDLL:
     lib.engram_rowio_copy_mapped.restype = ctypes.c_int
     lib.engram_rowio_pread.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(i64)]
     lib.engram_rowio_pread.restype = ctypes.c_int
+    lib.engram_rowio_aio.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
+    lib.engram_rowio_aio.restype = ctypes.c_int
     return lib
+
+
+AIO_UNAVAILABLE = -2
+
+
+def aio_read_rows(fd: int, data_offset: int, rows: np.ndarray, out: np.ndarray, depth: int) -> tuple[int, int]:
+    """Read ascending rows of an O_DIRECT file by native AIO, `depth` in flight; returns
+    (0, -1), (errno or -1 for a short read, failed index) or (AIO_UNAVAILABLE, -1)."""
+    failed = ctypes.c_int64(-1)
+    err = library().engram_rowio_aio(fd, data_offset, rows.ctypes.data, rows.shape[0], out.ctypes.data, depth,
+                                     ctypes.byref(failed))
+    return err, failed.value
 
 
 def copy_mapped(base_address: int, rows: np.ndarray, out: np.ndarray, threads: int) -> int:

@@ -11,6 +11,10 @@
 //  * pread: one pread per row (optionally O_DIRECT through an aligned per-thread buffer),
 //    spread over N threads. Slower for cached rows, but it reports the real errno; the
 //    caller uses it to retry and to name what failed.
+//  * aio: O_DIRECT reads by Linux native AIO from the calling thread, `depth` in flight (what
+//    fio's libaio engine does). A blocking pread per row costs a thread switch per row: on a
+//    2-core VM 64 threads burned ~10 us of CPU per row and reached half the disk's IOPS.
+//    Sorted rows whose pages touch are merged into one read of up to 64 KiB.
 //
 // No torch, no Python: loaded with ctypes. Built without -ffast-math like every kernel here.
 #include <atomic>
@@ -22,11 +26,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include <linux/aio_abi.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
@@ -207,6 +214,62 @@ int read_row(int fd, int64_t data_offset, int64_t row, uint8_t* out, bool direct
     return 0;
 }
 
+// ------------------------------------------------------------------ native AIO
+constexpr int64_t kMaxExtent = 64 << 10;  // bytes of one merged read
+constexpr int kMaxDepth = 256;
+
+struct Extent {
+    int64_t start, length;  // page-aligned bytes of the file
+    int64_t first, last;    // rows [first, last) of the request it holds
+};
+
+// Per-thread AIO context and bounce buffers, created on first use and kept (io_setup costs
+// a syscall and kernel memory; a store reads from one thread at a time).
+struct AioState {
+    aio_context_t ctx = 0;
+    int depth = 0;
+    uint8_t* buffers = nullptr;
+    ~AioState() {
+        if (ctx != 0) syscall(SYS_io_destroy, ctx);
+        free(buffers);
+    }
+    bool ready(int want) {
+        if (depth >= want) return true;
+        if (ctx != 0) syscall(SYS_io_destroy, ctx);
+        ctx = 0;
+        free(buffers);
+        buffers = static_cast<uint8_t*>(aligned_alloc(kPage, static_cast<size_t>(want) * kMaxExtent));
+        if (buffers == nullptr || syscall(SYS_io_setup, want, &ctx) != 0) {
+            ctx = 0;
+            depth = 0;
+            return false;
+        }
+        depth = want;
+        return true;
+    }
+};
+
+std::vector<Extent> merge_extents(int64_t data_offset, const int64_t* rows, int64_t n) {
+    std::vector<Extent> out;
+    out.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t offset = data_offset + rows[i] * kRowBytes;
+        const int64_t start = offset & ~(kPage - 1);
+        const int64_t end = (offset + kRowBytes + kPage - 1) & ~(kPage - 1);
+        if (!out.empty()) {
+            Extent& e = out.back();
+            // Ascending rows whose pages touch the extent's: one read, while it stays small.
+            if (start >= e.start && start <= e.start + e.length && end - e.start <= kMaxExtent) {
+                e.length = std::max(e.length, end - e.start);
+                e.last = i + 1;
+                continue;
+            }
+        }
+        out.push_back({start, end - start, i, i + 1});
+    }
+    return out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -270,6 +333,91 @@ int engram_rowio_pread(int fd, int64_t data_offset, const int64_t* rows, int64_t
     });
     *failed = first.load();
     return error.load();
+}
+
+// Reads rows[i] (i < n, ascending for merging) of an O_DIRECT file `fd` to out[i] by native
+// AIO, `depth` reads in flight. Returns 0, an errno, -1 for a short read (*failed = the row's
+// index), or -2 when native AIO is unavailable here (the caller falls back to pread).
+int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, int depth,
+                     int64_t* failed) {
+    *failed = -1;
+    if (n == 0) return 0;
+    static thread_local AioState state;
+    depth = std::max(1, std::min(depth, kMaxDepth));
+    if (!state.ready(depth)) return -2;
+    const std::vector<Extent> extents = merge_extents(data_offset, rows, n);
+    std::vector<iocb> cbs(static_cast<size_t>(state.depth));
+    std::vector<iocb*> submit(static_cast<size_t>(state.depth));
+    std::vector<io_event> events(static_cast<size_t>(state.depth));
+    std::vector<int> free_slots;
+    for (int k = state.depth - 1; k >= 0; --k) free_slots.push_back(k);
+    size_t next = 0;
+    int in_flight = 0, error = 0;
+    while (next < extents.size() || in_flight > 0) {
+        int batch = 0;
+        while (error == 0 && next < extents.size() && !free_slots.empty()) {
+            const int slot = free_slots.back();
+            free_slots.pop_back();
+            iocb& cb = cbs[static_cast<size_t>(slot)];
+            memset(&cb, 0, sizeof cb);
+            cb.aio_data = (static_cast<uint64_t>(next) << 16) | static_cast<uint64_t>(slot);
+            cb.aio_lio_opcode = IOCB_CMD_PREAD;
+            cb.aio_fildes = static_cast<uint32_t>(fd);
+            cb.aio_buf = reinterpret_cast<uint64_t>(state.buffers + static_cast<int64_t>(slot) * kMaxExtent);
+            cb.aio_nbytes = static_cast<uint64_t>(extents[next].length);
+            cb.aio_offset = extents[next].start;
+            submit[static_cast<size_t>(batch++)] = &cb;
+            ++next;
+        }
+        for (int done = 0; done < batch;) {
+            const long r = syscall(SYS_io_submit, state.ctx, batch - done, submit.data() + done);
+            if (r < 0) {
+                if (errno == EINTR || errno == EAGAIN) continue;
+                // Not submitted: give those slots back and report.
+                error = errno;
+                for (int k = done; k < batch; ++k) {
+                    const uint64_t data = submit[static_cast<size_t>(k)]->aio_data;
+                    free_slots.push_back(static_cast<int>(data & 0xFFFF));
+                    if (*failed < 0) *failed = extents[data >> 16].first;
+                }
+                break;
+            }
+            done += static_cast<int>(r);
+            in_flight += static_cast<int>(r);
+        }
+        if (in_flight == 0) break;
+        const long got = syscall(SYS_io_getevents, state.ctx, 1, in_flight, events.data(), nullptr);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            error = errno;  // cannot reap: the context is unusable from here on
+            state.depth = 0;
+            *failed = 0;
+            return error;
+        }
+        for (long k = 0; k < got; ++k) {
+            const io_event& ev = events[static_cast<size_t>(k)];
+            const int slot = static_cast<int>(ev.data & 0xFFFF);
+            const Extent& e = extents[ev.data >> 16];
+            --in_flight;
+            free_slots.push_back(slot);
+            const uint8_t* buf = state.buffers + static_cast<int64_t>(slot) * kMaxExtent;
+            if (ev.res < 0) {
+                if (error == 0) error = static_cast<int>(-ev.res);
+                if (*failed < 0 || e.first < *failed) *failed = e.first;
+                continue;
+            }
+            for (int64_t i = e.first; i < e.last; ++i) {
+                const int64_t at = data_offset + rows[i] * kRowBytes - e.start;
+                if (at + kRowBytes > static_cast<int64_t>(ev.res)) {  // the file ends early
+                    if (error == 0) error = -1;
+                    if (*failed < 0 || i < *failed) *failed = i;
+                    break;
+                }
+                memcpy(out + i * kRowBytes, buf + at, kRowBytes);
+            }
+        }
+    }
+    return error;
 }
 
 }  // extern "C"
