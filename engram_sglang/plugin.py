@@ -13,7 +13,9 @@ What it installs:
 * Engram table statistics in the scheduler's internal state (`/server_info` ->
   `internal_states[i]["engram"]`);
 * DeepSeek-V4.1's Engram table lookup served by our stores when a table directory is
-  configured (models/deepseek_v4_hook.py).
+  configured (models/deepseek_v4_hook.py);
+* read-ahead of a chunked prefill's next chunk into the disk tier's DRAM row cache
+  (serving/readahead.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def load() -> None:
     _after_import("sglang.srt.managers.scheduler_components.internal_state", _report_internal_state)
     _after_import("sglang.srt.layers.engram", _take_over_deepseek_engram)
     _after_import("sglang.srt.models.deepseek_v4", _skip_deepseek_engram_tensors)
+    _after_import("sglang.srt.managers.scheduler", _read_ahead_prefill_chunks)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -93,6 +96,12 @@ def _skip_deepseek_engram_tensors(module) -> None:
     from .models.deepseek_v4_hook import patch_deepseek_v4
 
     patch_deepseek_v4(module)
+
+
+def _read_ahead_prefill_chunks(module) -> None:
+    from .serving.readahead import patch_scheduler
+
+    patch_scheduler(module)
 
 
 def _report_internal_state(module) -> None:

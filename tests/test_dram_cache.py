@@ -237,3 +237,50 @@ def test_native_aio_reads_every_row_of_random_requests(tmp_path, rng):
         assert rowio.aio_read_rows(fd, DATA_OFFSET, past, out, 4) == (-1, 0)
     finally:
         os.close(fd)
+
+
+def test_scheduler_read_ahead_hashes_the_next_chunk_with_its_history(tables, rng, caplog, monkeypatch):
+    """What the plugin does before SGLang runs a batch holding a chunked prompt: the next
+    chunk's row ids, hashed with the tokens before it, land in every layer's DRAM cache."""
+    from array import array
+    from types import SimpleNamespace
+
+    from engram_sglang.hashing import NgramHasher
+    from engram_sglang.serving import readahead
+    from engram_sglang.serving.readahead import read_ahead_next_chunk
+    from engram_sglang.serving.runtime import EngramRuntime
+
+    monkeypatch.setattr(readahead, "_failed_once", False)
+    root, _ = tables
+    hasher = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))
+    settings = ServeSettings(placement="disk", disk_direct=True, disk_dram_cache_mib=8)
+    runtime = EngramRuntime(CFG, hasher, settings, root, torch.device("cpu"))
+    try:
+        assert runtime.reads_ahead
+        tokens = torch.randint(0, CFG.vocab_size, (100,), generator=rng).tolist()
+        req = SimpleNamespace(full_untruncated_fill_ids=array("q", tokens), extend_end=40)
+        scheduler = SimpleNamespace(chunked_req=req, chunked_prefill_size=32)
+        extend = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True))
+        assert read_ahead_next_chunk(scheduler, extend) == 32
+        whole = hasher.hash_sequence(tokens)
+        no_history = hasher.hash_sequence(tokens[40:72], start=40)
+        assert not torch.equal(no_history[:3], whole[40:43])  # the history matters
+        for L, i in runtime.layer_index.items():
+            store = runtime.stores[L]
+            store.read_ahead(np.zeros(0, np.int64)).result()  # one thread, in order: the chunk is in
+            want = np.unique(whole[40:72, i].numpy())
+            assert store.dram.contains(want).mean() > 0.9  # (set conflicts may drop a few)
+            past = np.setdiff1d(np.unique(whole[:40, i].numpy()), want)
+            assert store.dram.contains(past).mean() < 0.1
+        # Nothing to read ahead: no chunked request, a decode batch, the last chunk.
+        decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
+        assert read_ahead_next_chunk(scheduler, decode) == 0
+        assert read_ahead_next_chunk(SimpleNamespace(chunked_req=None, chunked_prefill_size=32), extend) == 0
+        req.extend_end = 100
+        assert read_ahead_next_chunk(scheduler, extend) == 0
+        # A broken request is logged once and never fails the batch.
+        req.full_untruncated_fill_ids = None
+        assert read_ahead_next_chunk(scheduler, extend) == 0
+        assert "prefill read-ahead failed" in caplog.text
+    finally:
+        runtime.close()

@@ -146,6 +146,29 @@ class EngramRuntime:
             self._stats_written = now
             self.write_stats()
 
+    # ------------------------------------------------------------------ read-ahead
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether any layer keeps rows read ahead (a disk store with a DRAM row cache)."""
+        return any(getattr(self._lower(s), "dram", None) is not None for s in self.stores.values())
+
+    @staticmethod
+    def _lower(store):
+        return getattr(store, "inner", store)  # the tier below a hot-row cache
+
+    def read_ahead(self, tokens, *, history=(), start: int = 0) -> int:
+        """Start reading the rows of one request's coming tokens (absolute position `start`,
+        `history` the raw tokens before them) into the DRAM row caches. Returns the rows
+        submitted (before each store drops what it holds already)."""
+        ids = self.hasher.hash_sequence(list(tokens), history=list(history), start=start)
+        submitted = 0
+        for L, i in self.layer_index.items():
+            store = self._lower(self.stores[L])
+            if getattr(store, "dram", None) is not None:
+                store.read_ahead(ids[:, i])
+                submitted += ids[:, i].numel()
+        return submitted
+
     # ------------------------------------------------------------------ reports
     def stats(self) -> dict:
         with self._lock:
