@@ -448,11 +448,34 @@ def dry_run(args, report: Report) -> None:
         report.check(f"{kind} library", load)
 
 
+def decode_step(args, out_dir: Path, gpu: bool) -> str:
+    """bench/decode_step.py (model-shaped decode steps, host vs device tables) in a subprocess
+    under a time limit; its output streams here, its JSON and PNG go to out_dir."""
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "bench" / "decode_step.py"), "--out", str(out_dir)]
+    cmd += ["--graphs"] if gpu else ["--small"]
+    result = out_dir / "decode_step.json"
+    result.unlink(missing_ok=True)
+    rc = subprocess.run(cmd, timeout=args.decode_step_timeout).returncode
+    if not result.exists():
+        raise RuntimeError(f"exit status {rc}, no {result.name} written")
+    summary = json.loads(result.read_text())["summary"]
+    line = (f"host/device decode throughput min {summary['host_vs_device_decode_min']}, Engram bits equal to device "
+            f"{summary['bits_equal_device']}, {len(summary['errors'])} variant error(s)")
+    if rc != 0:
+        raise RuntimeError(f"exit status {rc}: {line}")
+    return line
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU-checkable parts only")
     ap.add_argument("--rows", type=int, default=9_000_000, help="table rows (default ~2.2 GiB: past 2^31 bytes)")
     ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
+    ap.add_argument("--decode-step", action="store_true",
+                    help="also run bench/decode_step.py (--graphs on a GPU, --small without) as a subprocess")
+    ap.add_argument("--decode-step-timeout", type=float, default=360, help="its time limit in seconds")
     args = ap.parse_args(argv)
     report = Report()
     t0 = time.perf_counter()
@@ -464,9 +487,12 @@ def main(argv=None) -> int:
         dry_run(args, report)
     else:
         gpu_run(args, report)
-    report.info["seconds"] = round(time.perf_counter() - t0, 1)
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.decode_step:
+        gpu = not args.dry_run and torch.cuda.is_available()
+        report.check("decode step harness", lambda: decode_step(args, out_dir, gpu))
+    report.info["seconds"] = round(time.perf_counter() - t0, 1)
     path = out_dir / ("gpu_check_dry.json" if args.dry_run or not torch.cuda.is_available() else "gpu_check.json")
     path.write_text(json.dumps({"info": report.info, "checks": report.checks, "bandwidth": report.bandwidth},
                                indent=1, default=str))
