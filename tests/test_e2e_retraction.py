@@ -1,0 +1,169 @@
+"""End to end on CPU: decode retraction under KV-cache pressure, on real `sglang.launch_server`.
+
+SGLang admits a request when its prompt plus its *full* max_new_tokens fits in the free
+KV pool, but counts requests that are already running at only `new_token_ratio` of their
+remaining tokens (0.7 x --schedule-conservativeness at start-up; requests with ignore_eos
+count in full). So: a tiny pool (--max-total-tokens 160), a low ratio
+(--schedule-conservativeness 0.05), a first wave of requests that is already decoding
+when a second wave arrives. The second wave is admitted against a pool the first wave
+will still grow into; decode then runs out of KV slots and SGLang retracts requests
+(`KV cache pool is full. Retract requests.`): frees their KV, requeues them, and later
+prefills prompt + generated tokens again (here in 16-token chunks).
+
+Checked: retraction happened (the log line and each request's `num_retractions`), every
+completion equals the reference forward's greedy completion, and every traced token
+(first prefill, decode, the re-prefill of generated tokens, decode after it) used the
+reference's hash ids and rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from demo_support import demo_dir, reference
+from engram_sglang.serving.launch import Server
+
+pytestmark = pytest.mark.slow
+
+POOL = 160  # KV-cache tokens
+NEW = 40  # new tokens per request
+CHUNK = 16  # --chunked-prefill-size: re-prefills of retracted requests span chunks
+FIRST_LENGTHS = (18, 21)  # decoding when the second wave arrives
+SECOND_LENGTHS = (13, 17, 22, 9)
+RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
+
+
+def prompts(lengths, salt: int) -> list[list[int]]:
+    tok = reference().tokenizer
+    text = "\n".join(Path(m.__file__).read_text() for m in (functools, json, os))
+    ids = tok(text)["input_ids"]
+    return [ids[((i + salt) * 1499) % (len(ids) - 100):][:n] for i, n in enumerate(lengths)]
+
+
+def generate(server: Server, prompt: list[int]) -> dict:
+    # ignore_eos=False: SGLang reserves a running request's remaining tokens in full when
+    # it ignores EOS, and then never over-commits. The demo model has no EOS token, so
+    # every request still runs to max_new_tokens (checked below).
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": False}}
+    return server.post("/generate", body)
+
+
+def trace_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_decode(trace: Path, after: int, timeout: float = 120) -> bool:
+    """Until a decode step follows the first `after` trace lines (the first wave decodes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s["mode"] == "decode" for s in trace_lines(trace)[after:]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def trace_records(steps: list[dict]) -> list[dict]:
+    """Per request lifetime in a slot (as demo_support.trace_requests, plus each token's
+    step mode): a slot's tokens continue its record while their positions follow on."""
+    records, current = [], {}
+    for step in steps:
+        for t, (slot, pos, tok) in enumerate(zip(step["req"], step["pos"], step["tok"])):
+            r = current.get(slot)
+            if r is None or r["pos"][-1] + 1 != pos:
+                r = current[slot] = {"tok": [], "pos": [], "mode": [], "ids": {}, "sum": {}}
+                records.append(r)
+            r["tok"].append(tok)
+            r["pos"].append(pos)
+            r["mode"].append(step["mode"])
+            for layer, ids in step["ids"].items():
+                r["ids"].setdefault(layer, []).append(ids[t])
+            for layer, sums in step["sum"].items():
+                r["sum"].setdefault(layer, []).append(sums[t])
+    return records
+
+
+@pytest.fixture(scope="module")
+def pressured(tmp_path_factory):
+    work = tmp_path_factory.mktemp("retraction")
+    trace = work / "trace.jsonl"
+    first, second = prompts(FIRST_LENGTHS, 3), prompts(SECOND_LENGTHS, 11)
+    server = Server(demo_dir(), engram={"placement": "device", "trace": str(trace)}, max_total_tokens=POOL,
+                    args=("--schedule-conservativeness", "0.05", "--chunked-prefill-size", str(CHUNK)),
+                    log_path=work / "sglang.log")
+    with server, ThreadPoolExecutor(len(first) + len(second)) as pool:
+        before = len(trace_lines(trace))  # the /health probe's step
+        waves = [pool.submit(generate, server, p) for p in first]
+        decoding = wait_for_decode(trace, before)
+        waves += [pool.submit(generate, server, p) for p in second]
+        outs = [w.result() for w in waves]
+    return {"prompts": first + second, "outs": outs, "decoding": decoding,
+            "log": (work / "sglang.log").read_text(errors="replace"), "steps": trace_lines(trace)}
+
+
+@pytest.fixture(scope="module")
+def checked(pressured):
+    """The reference forward of each request's full sequence (teacher forcing: the model is
+    causal, so greedy completions agree iff every served token is the argmax there), and
+    every trace record against it."""
+    ref = reference()
+    requests = [p + o["output_ids"] for p, o in zip(pressured["prompts"], pressured["outs"])]
+    forwards = [ref.forward(seq[:-1]) for seq in requests]
+    greedy = [f.logits[len(p) - 1:].argmax(-1).tolist() for f, p in zip(forwards, pressured["prompts"])]
+    counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "unmatched": 0, "reprefilled": 0, "after_reprefill": 0,
+              "reprefill_chunks": 0}
+    for rec in trace_records(pressured["steps"]):
+        if rec["tok"] == [0] and rec["pos"] == [0]:
+            continue  # SGLang's /health probe
+        lo, hi = rec["pos"][0], rec["pos"][-1] + 1
+        match = [i for i, seq in enumerate(requests) if seq[lo:hi] == rec["tok"]]
+        if len(match) != 1:
+            counts["unmatched"] += 1
+            continue
+        i = match[0]
+        step = forwards[i]
+        for j, layer in enumerate(ref.engram.layer_ids):
+            counts["ids_wrong"] += sum(a != b for a, b in zip(rec["ids"][str(layer)], step.hash_ids[lo:hi, j].tolist()))
+            counts["sums_wrong"] += sum(a != b for a, b in zip(rec["sum"][str(layer)], step.checksums[lo:hi, j].tolist()))
+        counts["tokens"] += hi - lo
+        # A prefill that covers generated tokens is the re-prefill of a retracted request.
+        prompt_len = len(pressured["prompts"][i])
+        extend_end = max((p + 1 for p, m in zip(rec["pos"], rec["mode"]) if m == "extend"), default=0)
+        if extend_end > prompt_len:
+            counts["reprefilled"] += extend_end - prompt_len
+            counts["after_reprefill"] += sum(1 for m in rec["mode"] if m == "decode")
+            counts["reprefill_chunks"] = max(counts["reprefill_chunks"], -(-(extend_end - lo) // CHUNK))
+    print(f"retraction trace: {counts}")
+    return {"greedy": greedy, "trace": counts}
+
+
+def test_kv_pressure_retracted_requests(pressured):
+    assert pressured["decoding"], "the first wave never reached decode"
+    retracts = [int(n) for n in RETRACT_LINE.findall(pressured["log"])]
+    per_request = [o["meta_info"]["num_retractions"] for o in pressured["outs"]]
+    assert sum(retracts) >= 1, "SGLang never retracted a request (no 'KV cache pool is full' line)"
+    assert sum(per_request) == sum(retracts) >= 1, (per_request, retracts)
+
+
+def test_completions_of_retracted_and_other_requests_equal_the_reference(pressured, checked):
+    for o in pressured["outs"]:
+        assert o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == NEW, o["meta_info"]
+    served = [o["output_ids"] for o in pressured["outs"]]
+    retracted = [o["meta_info"]["num_retractions"] > 0 for o in pressured["outs"]]
+    assert served == checked["greedy"], f"retracted: {retracted}"
+
+
+def test_traced_hash_ids_and_rows_of_retracted_requests_equal_the_reference(checked):
+    """Every step, token by token; among them the re-prefilled generated tokens of the
+    retracted requests and their decode steps after it (history rebuilt from scratch)."""
+    counts = checked["trace"]
+    assert counts["unmatched"] == 0 and counts["tokens"] >= NEW * 6, counts
+    assert counts["reprefilled"] >= 1 and counts["after_reprefill"] >= 1, counts
+    assert counts["ids_wrong"] == 0 and counts["sums_wrong"] == 0, counts
