@@ -8,9 +8,9 @@ The cold disk case evicts the table file from the page cache before every call.
 
 `--part pipeline` (also in `all`) measures the disk pipeline on a table larger than this
 machine's RAM (default 1.25x), read by O_DIRECT behind the DRAM row cache at 0, 1% and 10%
-of the table: per decode step (batch 16, 64, 256 concurrent streams, after a warm-up of
-`--warm-tokens` tokens) its time against the floor its unique misses set at the same-run
-IOPS; per prefill chunk the rate of its misses against that IOPS, and how much of a chunk's
+of the table: per decode step (batch 16, 64, 256 concurrent streams; each cache first
+filled with `--warm-tokens` tokens of the same streams) its time against the floor its
+unique misses set at the IOPS measured just before; per prefill chunk the rate of its misses against that IOPS, and how much of a chunk's
 reads read-ahead hides behind the previous chunk. `--part placements` is the first part only.
 
     python bench/tiers.py [--rows-per-layer 16000000] [--kind code|prose] [--part all|placements|pipeline]
@@ -142,7 +142,8 @@ def main() -> int:
     ap.add_argument("--big-table-ratio", type=float, default=1.25, help="pipeline table size / RAM")
     ap.add_argument("--dram-shares", default="0,0.01,0.1", help="DRAM row cache sizes, shares of the table")
     ap.add_argument("--batches", default="16,64,256", help="decode batch sizes (concurrent streams)")
-    ap.add_argument("--warm-tokens", type=int, default=65536, help="decode tokens read before measuring")
+    ap.add_argument("--warm-tokens", type=int, default=512 * 1024,
+                    help="tokens (all streams) read into each DRAM cache before measuring")
     ap.add_argument("--measure-steps", type=int, default=40)
     ap.add_argument("--chunk-compute-ms", type=float, default=1000.0,
                     help="model time of one 8192-token prefill chunk, all layers (stand-in: a sleep). Default: "
@@ -238,62 +239,77 @@ def pipeline(args) -> None:
     table_bytes = path.stat().st_size
     shares = [float(x) for x in args.dram_shares.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    iops, iops_tool = disk_iops(path, args.iops_seconds, args.threads)
+    length = min(s.shape[0] for s in streams)
+    warm = min(length - args.measure_steps, max(0, args.warm_tokens // len(streams)))
     print(f"pipeline: {table_bytes / 2**30:.1f} GiB table, RAM {ram_bytes() / 2**30:.1f} GiB, {n_tokens:,} tokens of "
-          f"{args.kind}; disk {iops / 1e3:.1f} k IOPS ({iops_tool})", flush=True)
-    chunks = prefill_chunks(streams, 0, 2 * args.prefill_chunks + 1)
-    decode, prefill = [], []
+          f"{args.kind}; DRAM caches warmed with the first {warm} tokens of {len(streams)} streams", flush=True)
+    # Prefill chunks from text after what the decode steps read (no rows of theirs cached).
+    chunks = prefill_chunks([s[warm + args.measure_steps:] for s in streams], 0, 2 * args.prefill_chunks + 1)
+    decode, prefill, iops_runs = [], [], []
     for share in shares:
-        for batch in batches:
-            store = open_store(root, "disk", cfg=cfg, threads=args.threads, direct=True,
-                               dram_cache_bytes=int(share * table_bytes))[cfg.layer_ids[0]]
-            try:
-                decode.append(decode_run(store, streams, batch, args, iops) | {"dram_share": share})
-            finally:
-                store.close()
-            d = decode[-1]
-            print(f"  DRAM {share:>5.0%} batch {batch:3d}: {d['ms_per_step']:7.2f} ms/step, floor "
-                  f"{d['floor_ms_per_step']:6.2f} ms, x{d['vs_floor']:.2f}, hit {d['dram_hit_rate']:.0%}", flush=True)
+        # The limit again before each cache size: this machine's disk varies minute to minute.
+        iops, iops_tool = disk_iops(path, args.iops_seconds, args.threads)
+        iops_runs.append(iops)
         store = open_store(root, "disk", cfg=cfg, threads=args.threads, direct=True,
                            dram_cache_bytes=int(share * table_bytes))[cfg.layer_ids[0]]
         try:
-            prefill.append(prefill_run(store, chunks, iops, args.chunk_compute_ms / 1e3) | {"dram_share": share})
+            warmed = warm_cache(store, streams, warm)
+            for batch in batches:
+                decode.append(decode_run(store, streams, batch, warm, args.measure_steps, iops)
+                              | {"dram_share": share, "iops": iops, "warm_rows": warmed})
+                d = decode[-1]
+                print(f"  DRAM {share:>5.0%} batch {batch:3d}: {d['ms_per_step']:7.2f} ms/step, floor "
+                      f"{d['floor_ms_per_step']:6.2f} ms at {iops / 1e3:.1f} k IOPS, x{d['vs_floor']:.2f}, "
+                      f"hit {d['dram_hit_rate']:.0%}", flush=True)
+            prefill.append(prefill_run(store, chunks, iops, args.chunk_compute_ms / 1e3)
+                           | {"dram_share": share, "iops": iops})
         finally:
             store.close()
         p = prefill[-1]
+        hidden = "n/a (no cache to read into)" if p["hidden_share"] is None else f"{p['hidden_share']:.0%}"
         print(f"  DRAM {share:>5.0%} prefill: misses at {p['miss_rows_per_s'] / 1e3:.1f} k rows/s = "
-              f"{p['vs_iops']:.0%} of IOPS; read-ahead hides {p['hidden_share']:.0%}", flush=True)
+              f"{p['vs_iops']:.0%} of IOPS; read-ahead hides {hidden}", flush=True)
 
-    limits = {"iops": iops, "iops_tool": iops_tool, "ram_bytes": ram_bytes(), "table_bytes": table_bytes}
+    limits = {"iops": float(np.mean(iops_runs)), "iops_runs": iops_runs, "iops_tool": iops_tool,
+              "ram_bytes": ram_bytes(), "table_bytes": table_bytes}
     print_table(
-        f"Disk tier decode steps, {table_bytes / 2**30:.1f} GiB table (RAM {ram_bytes() / 2**30:.1f} GiB), O_DIRECT, "
-        f"{iops / 1e3:.1f} k IOPS same run",
-        ["DRAM cache", "batch", "ms/step", "p99 ms", "misses/step", "floor ms", "vs floor", "DRAM hit", "CPU ms/step"],
-        [[f"{d['dram_share']:.0%}", d["batch"], d["ms_per_step"], d["p99_ms"], d["misses_per_step"],
+        f"Disk tier decode steps, {table_bytes / 2**30:.1f} GiB table (RAM {ram_bytes() / 2**30:.1f} GiB), O_DIRECT "
+        f"native AIO, {args.threads} in flight; IOPS by {iops_tool}, measured before each cache size",
+        ["DRAM cache", "batch", "ms/step", "p99 ms", "misses/step", "k IOPS", "floor ms", "vs floor", "DRAM hit",
+         "CPU ms/step"],
+        [[f"{d['dram_share']:.0%}", d["batch"], d["ms_per_step"], d["p99_ms"], d["misses_per_step"], d["iops"] / 1e3,
           d["floor_ms_per_step"], d["vs_floor"], f"{d['dram_hit_rate']:.0%}", d["cpu_ms_per_step"]] for d in decode])
     print_table(
-        "Disk tier prefill chunks (8192 tokens x 24 rows)",
-        ["DRAM cache", "ms/chunk", "read ms", "unique", "misses", "miss rows/s", "vs IOPS", "exposed read ms w/ read-ahead",
-         "hidden"],
-        [[f"{p['dram_share']:.0%}", p["ms_per_chunk"], p["read_ms_per_chunk"], p["unique_per_chunk"], p["misses_per_chunk"],
-          p["miss_rows_per_s"], f"{p['vs_iops']:.0%}", p["exposed_ms_read_ahead"], f"{p['hidden_share']:.0%}"]
-         for p in prefill])
+        f"Disk tier prefill chunks (8192 tokens x 24 rows); read-ahead behind {args.chunk_compute_ms:.0f} ms of "
+        "compute per chunk",
+        ["DRAM cache", "ms/chunk", "read ms", "unique", "misses", "miss rows/s", "vs IOPS",
+         "exposed read ms w/ read-ahead", "hidden"],
+        [[f"{p['dram_share']:.0%}", p["ms_per_chunk"], p["read_ms_per_chunk"], p["unique_per_chunk"],
+          p["misses_per_chunk"], p["miss_rows_per_s"], f"{p['vs_iops']:.0%}", p["exposed_ms_read_ahead"],
+          "n/a" if p["hidden_share"] is None else f"{p['hidden_share']:.0%}"] for p in prefill])
     write_json("tiers-pipeline", {"args": vars(args), "limits": limits, "decode": decode, "prefill": prefill})
     plot_pipeline(decode, prefill, limits)
 
 
-def decode_run(store, streams, batch: int, args, iops: float) -> dict:
-    """Warm the DRAM cache with `warm_tokens` tokens of `batch` streams, then time steps."""
-    length = min(s.shape[0] for s in streams)
-    warm_steps = min(length - args.measure_steps, max(1, args.warm_tokens // batch))
-    step_ids = (torch.stack([streams[b][t, 0] for b in range(batch)]) for t in range(warm_steps + args.measure_steps))
+def warm_cache(store, streams, tokens: int) -> int:
+    """Fill the DRAM cache as decode would have: the first `tokens` tokens of every stream,
+    read ahead in steps of 32 tokens (in order, so LRU keeps the latest), at full queue depth."""
+    if store.dram is None or tokens == 0:
+        return 0
+    done = 0
+    for t in range(0, tokens, 32):
+        ids = torch.stack([s[t:min(tokens, t + 32), 0] for s in streams])
+        done += store.read_ahead(ids).result()
+    return done
+
+
+def decode_run(store, streams, batch: int, start: int, steps: int, iops: float) -> dict:
+    """Decode steps start..start+steps of the first `batch` streams: time per step against
+    the floor its unique misses set at `iops`."""
     times, floors, misses, cpu = [], [], [], 0.0
-    for t, ids in enumerate(step_ids):
-        if t < warm_steps:
-            store.gather(ids)
-            continue
-        if t == warm_steps:
-            hits0, looked0 = store.dram.hits if store.dram else 0, store.dram.lookups if store.dram else 0
+    hits0, looked0 = (store.dram.hits, store.dram.lookups) if store.dram else (0, 0)
+    for t in range(start, start + steps):
+        ids = torch.stack([streams[b][t, 0] for b in range(batch)])
         read0 = store.stats()["file_rows_read"]
         c0, t0 = time.process_time(), time.perf_counter()
         store.gather(ids)
@@ -301,10 +317,9 @@ def decode_run(store, streams, batch: int, args, iops: float) -> dict:
         cpu += time.process_time() - c0
         misses.append(store.stats()["file_rows_read"] - read0)
         floors.append(misses[-1] / iops)
-    looked = (store.dram.lookups - looked0) if store.dram else 1
-    hit = ((store.dram.hits - hits0) / max(1, looked)) if store.dram else 0.0
+    hit = (store.dram.hits - hits0) / max(1, store.dram.lookups - looked0) if store.dram else 0.0
     t = np.array(times)
-    return {"batch": batch, "warm_steps": warm_steps, "steps": len(times), "ms_per_step": 1e3 * t.mean(),
+    return {"batch": batch, "steps": len(times), "ms_per_step": 1e3 * t.mean(),
             "p99_ms": 1e3 * float(np.percentile(t, 99)), "misses_per_step": float(np.mean(misses)),
             "floor_ms_per_step": 1e3 * float(np.mean(floors)), "vs_floor": t.sum() / max(sum(floors), 1e-9),
             "dram_hit_rate": hit, "cpu_ms_per_step": 1e3 * cpu / len(times)}
@@ -340,11 +355,12 @@ def prefill_run(store, chunks, iops: float, compute_s: float) -> dict:
         time.sleep(compute_s)
         if pending is not None:
             hidden_reads += pending.result()
+    hidden = None if store.dram is None else 1 - float(np.mean(exposed)) / read.mean()
     return {"chunks": n, "ms_per_chunk": 1e3 * total.mean(), "read_ms_per_chunk": 1e3 * read.mean(),
             "unique_per_chunk": unique.mean(), "misses_per_chunk": misses.mean(), "miss_rows_per_s": rate,
             "vs_iops": rate / iops, "compute_ms": 1e3 * compute_s,
             "exposed_ms_read_ahead": 1e3 * float(np.mean(exposed)), "read_ahead_rows": hidden_reads,
-            "hidden_share": 1 - float(np.mean(exposed)) / read.mean()}
+            "hidden_share": hidden}
 
 
 def plot_pipeline(decode, prefill, limits) -> None:
