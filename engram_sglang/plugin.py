@@ -15,7 +15,11 @@ What it installs:
 * DeepSeek-V4.1's Engram table lookup served by our stores when a table directory is
   configured (models/deepseek_v4_hook.py);
 * read-ahead of a chunked prefill's next chunk into the disk tier's DRAM row cache
-  (serving/readahead.py).
+  (serving/readahead.py);
+* per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV
+  pool's per-token cost and allocated right after the pool, before CUDA-graph capture;
+* CUDA graphs off, with one line, for a placement that reads row ids on the host (disk):
+  serving/graphs.py.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def load() -> None:
     _after_import("sglang.srt.layers.engram", _take_over_deepseek_engram)
     _after_import("sglang.srt.models.deepseek_v4", _skip_deepseek_engram_tensors)
     _after_import("sglang.srt.managers.scheduler", _read_ahead_prefill_chunks)
+    _after_import("sglang.srt.model_executor.pool_configurator", _count_engram_bytes_per_kv_token)
+    _after_import("sglang.srt.model_executor.model_runner", _allocate_engram_buffers_with_kv_pool)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -61,13 +67,18 @@ def _register_cli_hooks() -> None:
 
 def _prepare_server_args(original, argv, *args, **kwargs):
     from .errors import EngramError
-    from .serving.settings import export_flags
+    from .serving.graphs import graph_args
+    from .serving.settings import ServeSettings, export_flags
 
     try:
         export_flags(list(argv))
+        extra, why = graph_args(ServeSettings.from_env().placement, list(argv))
     except EngramError as e:
         print(f"engram-sglang: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if extra:
+        print(f"engram-sglang: {why}", file=sys.stderr, flush=True)
+        argv = list(argv) + extra
     return original(argv, *args, **kwargs)
 
 
@@ -102,6 +113,47 @@ def _read_ahead_prefill_chunks(module) -> None:
     from .serving.readahead import patch_scheduler
 
     patch_scheduler(module)
+
+
+def _count_engram_bytes_per_kv_token(module) -> None:
+    """SGLang sizes the KV pool as free memory / bytes per token: a model that keeps state
+    per KV slot (Qwen3EngramForCausalLM's conv inputs) adds its bytes to that cost, so the
+    pool and the state fit together."""
+    configurator = module.DefaultPoolConfigurator
+    original = configurator._compute_cell_size
+    said = set()  # SGLang builds the configurator more than once: one line per size
+
+    def _compute_cell_size(self, kvc, num_layers):
+        cell = original(self, kvc, num_layers)
+        extra = getattr(getattr(kvc, "model", None), "engram_bytes_per_kv_token", None)
+        if callable(extra) and not getattr(kvc, "is_draft_worker", False):
+            add = int(extra())
+            if add and (add, cell) not in said:
+                said.add((add, cell))
+                logger.info("engram-sglang: each KV-cache token also holds %d B of Engram state (%d B with the KV)",
+                            add, cell + add)
+            cell += add
+        return cell
+
+    _compute_cell_size.__wrapped__ = original
+    configurator._compute_cell_size = _compute_cell_size
+
+
+def _allocate_engram_buffers_with_kv_pool(module) -> None:
+    """Per-KV-slot Engram state is allocated once the KV pool exists: before the attention
+    backends and before any CUDA graph is captured (never inside a capture)."""
+    runner = module.ModelRunner
+    original = runner._init_post_memory_pool_components
+
+    def _init_post_memory_pool_components(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        init = getattr(getattr(self, "model", None), "init_engram_buffers", None)
+        if callable(init):
+            init(self.token_to_kv_pool)
+        return out
+
+    _init_post_memory_pool_components.__wrapped__ = original
+    runner._init_post_memory_pool_components = _init_post_memory_pool_components
 
 
 def _report_internal_state(module) -> None:

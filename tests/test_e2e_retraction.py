@@ -167,3 +167,18 @@ def test_traced_hash_ids_and_rows_of_retracted_requests_equal_the_reference(chec
     assert counts["unmatched"] == 0 and counts["tokens"] >= NEW * 6, counts
     assert counts["reprefilled"] >= 1 and counts["after_reprefill"] >= 1, counts
     assert counts["ids_wrong"] == 0 and counts["sums_wrong"] == 0, counts
+
+
+def test_conv_cache_is_allocated_with_the_kv_pool_and_counted_in_its_token_cost(pressured):
+    """(Rides on this module's server.) The per-KV-slot conv caches exist before the server
+    is up, not from the first forward (on a GPU that may be a CUDA-graph capture), and
+    SGLang sized the KV pool with their bytes in each token's cost."""
+    from engram_sglang.demo_model import ENGRAM_LAYERS, HIDDEN
+
+    lines = pressured["log"].splitlines()
+    first = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+    caches = [i for i, line in enumerate(lines) if f"engram conv cache: {POOL + 2} slots x {HIDDEN}" in line]
+    assert len(caches) == len(ENGRAM_LAYERS), caches
+    assert first("KV Cache is allocated") < min(caches) and max(caches) < first("Uvicorn running on")
+    assert max(caches) < first("Prefill batch")
+    assert f"each KV-cache token also holds {len(ENGRAM_LAYERS) * HIDDEN * 2} B of Engram state" in pressured["log"]

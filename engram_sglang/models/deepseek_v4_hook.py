@@ -77,6 +77,7 @@ def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] 
     """The TableStore of one Engram layer (every layer of the directory opened once per process),
     or None when no table directory is configured and MODEL_PATH/engram_tables is absent."""
     from ..config import EngramConfig
+    from ..serving.graphs import check_capturable
     from ..serving.settings import ServeSettings
     from ..stores import open_store
 
@@ -96,6 +97,7 @@ def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] 
         try:
             stores = open_store(table_dir, settings.placement, device, cfg=cfg, tp_rank=tp_rank, tp_size=tp_size,
                                 backend=settings.backend, **settings.store_options())
+            check_capturable(stores.values(), device)
         except EngramError as e:
             logger.error("engram-sglang: %s", e)
             raise

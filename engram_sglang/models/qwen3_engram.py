@@ -10,7 +10,9 @@ Per step: hash every token (StepHasher, with SGLang's per-request history), issu
 Engram layer's gather at once, run the layers; each Engram layer waits on its own rows.
 The short conv reaches 12 tokens back: its inputs are kept per KV-cache slot
 (`ServingEngramLayer`), so prefix-cache hits, chunked prefill and retraction read the same
-predecessors as one pass over the whole sequence.
+predecessors as one pass over the whole sequence. That state is counted in the KV pool's
+per-token cost and allocated right after the pool (plugin hooks), never during CUDA-graph
+capture.
 """
 
 from __future__ import annotations
@@ -44,15 +46,29 @@ class ServingEngramLayer(EngramLayer):
 
     _cache: Optional[torch.Tensor] = None
 
+    @staticmethod
+    def cache_slots(token_to_kv_pool) -> int:
+        """Conv-cache rows for a KV pool: one per KV slot (out_cache_loc < size + page_size)."""
+        return token_to_kv_pool.size + token_to_kv_pool.page_size + 1
+
+    def allocate_cache(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self._cache = torch.zeros(slots, self.hidden_size, dtype=dtype, device=device)
+        logger.info("engram conv cache: %d slots x %d (%.1f MiB)", slots, self.hidden_size,
+                    self._cache.numel() * self._cache.element_size() / 2**20)
+        return self._cache
+
     def _conv_cache(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self._cache is None:
+            # The model runner allocates it once the KV pool exists (plugin hook); this
+            # fallback serves a runner that did not, but never inside a graph capture.
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise EngramError("the Engram conv cache was not allocated before CUDA-graph capture "
+                                  "(init_engram_buffers was not called)")
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
-            pool = get_token_to_kv_pool()
-            slots = pool.size + pool.page_size + 1
-            self._cache = torch.zeros(slots, self.hidden_size, dtype=dtype, device=device)
-            logger.info("engram conv cache: %d slots x %d (%.1f MiB)", slots, self.hidden_size,
-                        self._cache.numel() * self._cache.element_size() / 2**20)
+            self.allocate_cache(self.cache_slots(get_token_to_kv_pool()), dtype, device)
+        if self._cache.dtype != dtype:
+            raise EngramError(f"Engram conv cache holds {self._cache.dtype}, the step computes in {dtype}")
         return self._cache
 
     def forward_batch(self, h: torch.Tensor, rows: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
@@ -163,6 +179,25 @@ class Qwen3EngramForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    # ------------------------------------------------- state kept per KV-cache slot
+    def _engram_layers(self) -> list[ServingEngramLayer]:
+        return [layer.engram for layer in self.model.layers if layer.engram is not None]
+
+    def engram_bytes_per_kv_token(self) -> int:
+        """Bytes of Engram state per KV-cache token (the conv inputs of every Engram layer,
+        in the residual stream's dtype): the plugin adds them to the KV pool's per-token
+        cost, so SGLang sizes the pool with them."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return sum(e.hidden_size for e in self._engram_layers()) * torch.empty((), dtype=dtype).element_size()
+
+    def init_engram_buffers(self, token_to_kv_pool) -> None:
+        """Allocate the per-KV-slot conv caches (the plugin calls this once the KV pool
+        exists, before attention backends and CUDA-graph capture)."""
+        weight = self.model.embed_tokens.weight
+        slots = ServingEngramLayer.cache_slots(token_to_kv_pool)
+        for layer in self._engram_layers():
+            layer.allocate_cache(slots, weight.dtype, weight.device)
+
     @property
     def start_layer(self) -> int:
         return self.model.start_layer
@@ -233,6 +268,7 @@ def _build_runtime(cfg: EngramConfig, settings):
     from sglang.srt.runtime_context import get_model, get_serving
 
     from ..hashing import NgramHasher
+    from ..serving.graphs import check_capturable
     from ..serving.runtime import EngramRuntime, resolve_table_dir
 
     try:
@@ -249,6 +285,7 @@ def _build_runtime(cfg: EngramConfig, settings):
         parallel = get_parallel()
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, torch.get_default_device(),
                                 tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+        check_capturable(runtime.stores.values(), runtime.device)
     except EngramError as e:
         # SGLang prints the traceback of a failed scheduler; this line says what to fix.
         logger.error("engram-sglang: %s", e)

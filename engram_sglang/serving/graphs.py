@@ -1,0 +1,127 @@
+"""CUDA graphs and Engram placements.
+
+A placement whose stores have `needs_host_ids` (the disk tier: each step's row ids go to
+the host, which reads the rows) cannot run inside a captured CUDA graph: a replay would
+re-run the device kernels but never the host reads. SGLang captures graphs for decode
+(and, in 0.5.23, for prefill) by default on a GPU, so:
+
+* `launch_server` (the plugin's hook on `prepare_server_args`): for such a placement the
+  plugin adds `--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled`
+  and says so in one line; a user who asked for a graph backend explicitly is refused with
+  one line instead (exit status 2), as a flag we would silently override is a surprise;
+* every other entry point (`sglang.Engine(...)`, a `--config` file): the scheduler refuses
+  to start, in one line, when graphs are still on for such a placement on a GPU
+  (`check_capturable`, called where the stores are opened).
+
+Device and host placements (HBM, or pinned host memory read in-kernel over UVA) do no host
+work per step and are left to SGLang's graph settings.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Optional, Sequence
+
+from ..errors import EngramConfigError, EngramError
+
+PHASES = ("decode", "prefill")
+DISABLED = "disabled"
+PHASE_FLAGS = {phase: f"--cuda-graph-backend-{phase}" for phase in PHASES}
+LEGACY_OFF = "--disable-cuda-graph"
+PHASE_OFF = {"decode": "--disable-decode-cuda-graph", "prefill": "--disable-prefill-cuda-graph"}
+
+
+def placement_needs_host_ids(placement: str) -> bool:
+    """Whether the stores of this placement send row ids to the host (never graph-capturable)."""
+    from ..stores.base import TableStore
+    from ..stores import placements  # noqa: F401  (defines the placement classes)
+
+    def walk(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from walk(sub)
+
+    for cls in walk(TableStore):
+        if getattr(cls, "placement", None) == placement and "placement" in vars(cls):
+            return bool(cls.needs_host_ids)
+    return False
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of the last `flag VALUE` / `flag=VALUE` in argv (None when absent)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def graph_args(placement: str, argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
+    """SGLang flags to add for this placement and the line that says why (None: nothing to
+    add). Raises EngramConfigError (one line) when argv asks for a CUDA graph explicitly
+    while the placement cannot run in one."""
+    if not placement_needs_host_ids(placement):
+        return [], None
+    why = (f"--engram-placement {placement} reads each step's row ids on the host, which a captured CUDA graph "
+           f"cannot replay")
+    explicit = {phase: _flag_value(argv, flag) for phase, flag in PHASE_FLAGS.items()}
+    raw = _flag_value(argv, "--cuda-graph-config")
+    if raw is not None:
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            config = None
+        if isinstance(config, dict):
+            for phase in PHASES:
+                backend = (config.get(phase) or {}).get("backend") if isinstance(config.get(phase), dict) else None
+                if backend is not None:
+                    explicit[phase] = backend
+    asked = [f"{PHASE_FLAGS[p]} {b}" for p, b in explicit.items() if b is not None and b != DISABLED]
+    if asked:
+        raise EngramConfigError(f"{why}: drop {' and '.join(asked)} (CUDA graphs must stay off for this placement)")
+    if LEGACY_OFF in argv:
+        return [], None
+    add = []
+    for phase in PHASES:
+        if explicit[phase] is None and PHASE_OFF[phase] not in argv:
+            add += [PHASE_FLAGS[phase], DISABLED]
+    if not add:
+        return [], None
+    return add, f"{why}: CUDA graphs off (added {' '.join(add)})"
+
+
+def graph_phases_on() -> list[str]:
+    """The phases SGLang will capture CUDA graphs for in this process ([] outside SGLang)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        config = get_exec().graph.cuda_graph_config
+    except Exception:  # not inside a configured SGLang process (unit tests, tools)
+        return []
+    if config is None:
+        return []
+    on = []
+    for phase in PHASES:
+        backend = getattr(getattr(config, phase, None), "backend", DISABLED)
+        if backend not in (None, DISABLED):
+            on.append(phase)
+    return on
+
+
+def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] = None) -> None:
+    """Refuse (EngramError, one line) stores that need host ids when SGLang will capture
+    CUDA graphs on this device."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return
+    host = sorted({s.placement for s in stores if getattr(s, "needs_host_ids", False)})
+    if not host:
+        return
+    phases = graph_phases_on() if phases is None else list(phases)
+    if phases:
+        raise EngramError(f"placement {', '.join(host)} reads each step's row ids on the host, which a captured CUDA "
+                          f"graph cannot replay, but CUDA graphs are on for {' and '.join(phases)}: start SGLang with "
+                          f"--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")
