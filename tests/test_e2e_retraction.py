@@ -3,12 +3,16 @@
 SGLang admits a request when its prompt plus its *full* max_new_tokens fits in the free
 KV pool, but counts requests that are already running at only `new_token_ratio` of their
 remaining tokens (0.7 x --schedule-conservativeness at start-up; requests with ignore_eos
-count in full). So: a tiny pool (--max-total-tokens 160), a low ratio
-(--schedule-conservativeness 0.05), a first wave of requests that is already decoding
-when a second wave arrives. The second wave is admitted against a pool the first wave
-will still grow into; decode then runs out of KV slots and SGLang retracts requests
-(`KV cache pool is full. Retract requests.`): frees their KV, requeues them, and later
-prefills prompt + generated tokens again (here in 16-token chunks).
+count in full). So: a tiny pool (--max-total-tokens 192), a low ratio
+(--schedule-conservativeness 0.05), a first wave of two long generations that is already
+decoding when a second wave of shorter ones arrives. The second wave is admitted against
+a pool the first wave will still grow into: while a second-wave request runs (30 steps)
+the first wave grows by 60 tokens, more than the pool had left after admission (less than
+one more request, ~41 tokens), so decode runs out of KV slots however far the first wave
+had got (up to ~50 steps) when the second arrived. SGLang then retracts requests (`KV cache
+pool is full. Retract requests.`): frees their KV, requeues them, and later prefills
+prompt + generated tokens again (here in 16-token chunks). It retracts the request with
+the fewest generated tokens first, which has a few dozen by then.
 
 Checked: retraction happened (the log line and each request's `num_retractions`), every
 completion equals the reference forward's greedy completion, and every traced token
@@ -33,11 +37,10 @@ from engram_sglang.serving.launch import Server
 
 pytestmark = pytest.mark.slow
 
-POOL = 160  # KV-cache tokens
-NEW = 40  # new tokens per request
+POOL = 192  # KV-cache tokens
 CHUNK = 16  # --chunked-prefill-size: re-prefills of retracted requests span chunks
-FIRST_LENGTHS = (18, 21)  # decoding when the second wave arrives
-SECOND_LENGTHS = (13, 17, 22, 9)
+FIRST_LENGTHS, FIRST_NEW = (10, 12), 80  # decoding when the second wave arrives
+SECOND_LENGTHS, SECOND_NEW = (8, 11, 9, 12), 30
 RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
 
 
@@ -48,11 +51,11 @@ def prompts(lengths, salt: int) -> list[list[int]]:
     return [ids[((i + salt) * 1499) % (len(ids) - 100):][:n] for i, n in enumerate(lengths)]
 
 
-def generate(server: Server, prompt: list[int]) -> dict:
+def generate(server: Server, prompt: list[int], new: int) -> dict:
     # ignore_eos=False: SGLang reserves a running request's remaining tokens in full when
     # it ignores EOS, and then never over-commits. The demo model has no EOS token, so
     # every request still runs to max_new_tokens (checked below).
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": False}}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": False}}
     return server.post("/generate", body)
 
 
@@ -60,11 +63,12 @@ def trace_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for_decode(trace: Path, after: int, timeout: float = 120) -> bool:
-    """Until a decode step follows the first `after` trace lines (the first wave decodes)."""
+def wait_for_decode(trace: Path, after: int, width: int, timeout: float = 120) -> bool:
+    """Until a decode step of `width` requests follows the first `after` trace lines (the
+    whole first wave decodes)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(s["mode"] == "decode" for s in trace_lines(trace)[after:]):
+        if any(s["mode"] == "decode" and len(set(s["req"])) >= width for s in trace_lines(trace)[after:]):
             return True
         time.sleep(0.05)
     return False
@@ -100,12 +104,19 @@ def pressured(tmp_path_factory):
                     log_path=work / "sglang.log")
     with server, ThreadPoolExecutor(len(first) + len(second)) as pool:
         before = len(trace_lines(trace))  # the /health probe's step
-        waves = [pool.submit(generate, server, p) for p in first]
-        decoding = wait_for_decode(trace, before)
-        waves += [pool.submit(generate, server, p) for p in second]
+        waves = [pool.submit(generate, server, p, FIRST_NEW) for p in first]
+        decoding = wait_for_decode(trace, before, len(first))
+        waves += [pool.submit(generate, server, p, SECOND_NEW) for p in second]
         outs = [w.result() for w in waves]
-    return {"prompts": first + second, "outs": outs, "decoding": decoding,
-            "log": (work / "sglang.log").read_text(errors="replace"), "steps": trace_lines(trace)}
+    steps = trace_lines(trace)
+    # How far the first wave got before the second was admitted (the margin of the set-up).
+    starts = [i for i, s in enumerate(steps) if s["mode"] == "extend"
+              and any(s["tok"][j:j + len(p[:CHUNK])] == p[:CHUNK] for p in second for j in range(len(s["tok"])))]
+    lead = sum(1 for s in steps[: starts[0] if starts else len(steps)] if s["mode"] == "decode")
+    print(f"retraction set-up: first wave decoded {lead} steps before the second wave's first prefill")
+    return {"prompts": first + second, "news": [FIRST_NEW] * len(first) + [SECOND_NEW] * len(second),
+            "outs": outs, "decoding": decoding, "lead": lead,
+            "log": (work / "sglang.log").read_text(errors="replace"), "steps": steps}
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +159,14 @@ def test_kv_pressure_retracted_requests(pressured):
     assert pressured["decoding"], "the first wave never reached decode"
     retracts = [int(n) for n in RETRACT_LINE.findall(pressured["log"])]
     per_request = [o["meta_info"]["num_retractions"] for o in pressured["outs"]]
-    assert sum(retracts) >= 1, "SGLang never retracted a request (no 'KV cache pool is full' line)"
+    assert sum(retracts) >= 1, ("SGLang never retracted a request (no 'KV cache pool is full' line); the first "
+                                f"wave had decoded {pressured['lead']} steps when the second was admitted")
     assert sum(per_request) == sum(retracts) >= 1, (per_request, retracts)
 
 
 def test_completions_of_retracted_and_other_requests_equal_the_reference(pressured, checked):
-    for o in pressured["outs"]:
-        assert o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == NEW, o["meta_info"]
+    for o, new in zip(pressured["outs"], pressured["news"]):
+        assert o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == new, o["meta_info"]
     served = [o["output_ids"] for o in pressured["outs"]]
     retracted = [o["meta_info"]["num_retractions"] > 0 for o in pressured["outs"]]
     assert served == checked["greedy"], f"retracted: {retracted}"
@@ -164,7 +176,7 @@ def test_traced_hash_ids_and_rows_of_retracted_requests_equal_the_reference(chec
     """Every step, token by token; among them the re-prefilled generated tokens of the
     retracted requests and their decode steps after it (history rebuilt from scratch)."""
     counts = checked["trace"]
-    assert counts["unmatched"] == 0 and counts["tokens"] >= NEW * 6, counts
+    assert counts["unmatched"] == 0 and counts["tokens"] >= sum(FIRST_LENGTHS + SECOND_LENGTHS), counts
     assert counts["reprefilled"] >= 1 and counts["after_reprefill"] >= 1, counts
     assert counts["ids_wrong"] == 0 and counts["sums_wrong"] == 0, counts
 
