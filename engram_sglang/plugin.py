@@ -18,8 +18,8 @@ What it installs:
   (serving/readahead.py);
 * per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV
   pool's per-token cost and allocated right after the pool, before CUDA-graph capture;
-* CUDA graphs off, with one line, for a placement that reads row ids on the host (disk):
-  serving/graphs.py.
+* CUDA graphs off, with one line, for a placement that reads row ids on the host (disk)
+  and for the per-step trace: serving/graphs.py.
 """
 
 from __future__ import annotations
@@ -72,12 +72,14 @@ def _prepare_server_args(original, argv, *args, **kwargs):
 
     try:
         export_flags(list(argv))
-        extra, why = graph_args(ServeSettings.from_env().placement, list(argv))
+        settings = ServeSettings.from_env()
+        extra, why = graph_args(settings.placement, list(argv), trace=settings.trace)
     except EngramError as e:
         print(f"engram-sglang: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if extra:
-        print(f"engram-sglang: {why}", file=sys.stderr, flush=True)
+        # Not "engram-sglang: ", which marks the line that says why start-up failed.
+        print(f"engram-sglang notice: {why}", file=sys.stderr, flush=True)
         argv = list(argv) + extra
     return original(argv, *args, **kwargs)
 
@@ -130,7 +132,7 @@ def _count_engram_bytes_per_kv_token(module) -> None:
             add = int(extra())
             if add and (add, cell) not in said:
                 said.add((add, cell))
-                logger.info("engram-sglang: each KV-cache token also holds %d B of Engram state (%d B with the KV)",
+                logger.info("engram KV sizing: each KV-cache token also holds %d B of Engram state (%d B with the KV)",
                             add, cell + add)
             cell += add
         return cell

@@ -194,3 +194,10 @@ def test_conv_cache_is_allocated_with_the_kv_pool_and_counted_in_its_token_cost(
     assert first("KV Cache is allocated") < min(caches) and max(caches) < first("Uvicorn running on")
     assert max(caches) < first("Prefill batch")
     assert f"each KV-cache token also holds {len(ENGRAM_LAYERS) * HIDDEN * 2} B of Engram state" in pressured["log"]
+
+
+def test_traced_server_said_once_that_cuda_graphs_are_off(pressured):
+    """(Rides on this module's server, started with --engram-trace.) The launcher turned
+    SGLang's CUDA graphs off for the per-step trace, in one line, and SGLang took the flags."""
+    assert pressured["log"].count("engram-sglang notice: --engram-trace writes each step's ids") == 1
+    assert "'cuda_graph_backend_decode': 'disabled', 'cuda_graph_backend_prefill': 'disabled'" in pressured["log"]

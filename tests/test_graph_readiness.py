@@ -1,6 +1,7 @@
 """CUDA-graph readiness of the serving model, as far as a machine without a GPU can check it.
 
-* Placements whose stores send row ids to the host (disk) keep SGLang's CUDA graphs off:
+* Placements whose stores send row ids to the host (disk), and the per-step trace, keep
+  SGLang's CUDA graphs off:
   the launcher adds the flags with one line, or refuses an explicit graph request with one
   line; the scheduler refuses when graphs are still on (GPU only: checked here with the
   phases given, and with a CUDA device that is never touched).
@@ -58,6 +59,15 @@ def test_disk_turns_graphs_off_with_one_line():
     assert why.endswith("CUDA graphs off (added " + " ".join(OFF) + ")")
 
 
+def test_the_step_trace_turns_graphs_off_too():
+    extra, why = graph_args("device", ["--model-path", "m"], trace="/tmp/t.jsonl")
+    assert extra == OFF and why.startswith("--engram-trace writes each step's ids and rows from the host")
+    with pytest.raises(EngramConfigError, match="drop --cuda-graph-backend-decode full"):
+        graph_args("host", ["--cuda-graph-backend-decode", "full"], trace="/tmp/t.jsonl")
+    with pytest.raises(EngramError, match="^--engram-trace writes"):
+        check_capturable([_Store("device", False)], "cuda:0", phases=["decode"], trace="/tmp/t.jsonl")
+
+
 @pytest.mark.parametrize("argv, extra", [
     (["--cuda-graph-backend-decode", "disabled"], OFF[2:]),
     (["--cuda-graph-backend-prefill=disabled"], OFF[:2]),
@@ -91,7 +101,7 @@ def test_launcher_hook_adds_the_flags_and_says_so(clean_env, capsys):
     assert plugin._prepare_server_args(original, ["--model-path", "m", "--engram-placement", "disk"]) == "server-args"
     assert seen["argv"] == ["--model-path", "m", "--engram-placement", "disk", *OFF]
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("engram-sglang: --engram-placement disk reads")
+    assert len(err) == 1 and err[0].startswith("engram-sglang notice: --engram-placement disk reads")
     plugin._prepare_server_args(original, ["--model-path", "m", "--engram-placement", "host"])
     assert seen["argv"] == ["--model-path", "m", "--engram-placement", "host"]
 
@@ -217,7 +227,7 @@ def test_sglang_resolves_the_added_flags(tmp_path):
     out = subprocess.run(base + ["--engram-placement", "disk"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RESOLVED disabled disabled [('decode', 'backend'), ('prefill', 'backend')]" in out.stdout
-    assert sum("engram-sglang: --engram-placement disk reads" in line for line in out.stderr.splitlines()) == 1
+    assert sum("engram-sglang notice: --engram-placement disk reads" in line for line in out.stderr.splitlines()) == 1
     out = subprocess.run(base + ["--engram-placement", "device"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "RESOLVED disabled disabled []" in out.stdout  # the CPU's own default, unlocked
-    assert "engram-sglang: --engram-placement" not in out.stderr
+    assert "engram-sglang notice" not in out.stderr

@@ -5,6 +5,9 @@ the host, which reads the rows) cannot run inside a captured CUDA graph: a repla
 re-run the device kernels but never the host reads. SGLang captures graphs for decode
 (and, in 0.5.23, for prefill) by default on a GPU, so:
 
+The per-step trace (`--engram-trace`, for tests) copies ids and rows to the host every
+step, so it gets the same treatment.
+
 * `launch_server` (the plugin's hook on `prepare_server_args`): for such a placement the
   plugin adds `--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled`
   and says so in one line; a user who asked for a graph backend explicitly is refused with
@@ -58,14 +61,17 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
-def graph_args(placement: str, argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
-    """SGLang flags to add for this placement and the line that says why (None: nothing to
-    add). Raises EngramConfigError (one line) when argv asks for a CUDA graph explicitly
-    while the placement cannot run in one."""
-    if not placement_needs_host_ids(placement):
+def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None) -> tuple[list[str], Optional[str]]:
+    """SGLang flags to add for this placement (and trace setting) and the line that says
+    why (None: nothing to add). Raises EngramConfigError (one line) when argv asks for a
+    CUDA graph explicitly while the step cannot run in one."""
+    if placement_needs_host_ids(placement):
+        why = (f"--engram-placement {placement} reads each step's row ids on the host, which a captured CUDA graph "
+               f"cannot replay")
+    elif trace:
+        why = "--engram-trace writes each step's ids and rows from the host, which a captured CUDA graph cannot replay"
+    else:
         return [], None
-    why = (f"--engram-placement {placement} reads each step's row ids on the host, which a captured CUDA graph "
-           f"cannot replay")
     explicit = {phase: _flag_value(argv, flag) for phase, flag in PHASE_FLAGS.items()}
     raw = _flag_value(argv, "--cuda-graph-config")
     if raw is not None:
@@ -80,7 +86,7 @@ def graph_args(placement: str, argv: Sequence[str]) -> tuple[list[str], Optional
                     explicit[phase] = backend
     asked = [f"{PHASE_FLAGS[p]} {b}" for p, b in explicit.items() if b is not None and b != DISABLED]
     if asked:
-        raise EngramConfigError(f"{why}: drop {' and '.join(asked)} (CUDA graphs must stay off for this placement)")
+        raise EngramConfigError(f"{why}: drop {' and '.join(asked)} (CUDA graphs must stay off)")
     if LEGACY_OFF in argv:
         return [], None
     add = []
@@ -110,18 +116,23 @@ def graph_phases_on() -> list[str]:
     return on
 
 
-def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] = None) -> None:
-    """Refuse (EngramError, one line) stores that need host ids when SGLang will capture
-    CUDA graphs on this device."""
+def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] = None,
+                     trace: Optional[str] = None) -> None:
+    """Refuse (EngramError, one line) stores that need host ids, or a step trace, when
+    SGLang will capture CUDA graphs on this device."""
     import torch
 
     if torch.device(device).type != "cuda":
         return
     host = sorted({s.placement for s in stores if getattr(s, "needs_host_ids", False)})
-    if not host:
+    if host:
+        why = f"placement {', '.join(host)} reads each step's row ids on the host"
+    elif trace:
+        why = "--engram-trace writes each step's ids and rows from the host"
+    else:
         return
     phases = graph_phases_on() if phases is None else list(phases)
     if phases:
-        raise EngramError(f"placement {', '.join(host)} reads each step's row ids on the host, which a captured CUDA "
-                          f"graph cannot replay, but CUDA graphs are on for {' and '.join(phases)}: start SGLang with "
-                          f"--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")
+        raise EngramError(f"{why}, which a captured CUDA graph cannot replay, but CUDA graphs are on for "
+                          f"{' and '.join(phases)}: start SGLang with --cuda-graph-backend-decode disabled "
+                          f"--cuda-graph-backend-prefill disabled")
