@@ -81,6 +81,7 @@ class EngramRuntime:
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
                                  tp_size=tp_size, backend=settings.backend, **settings.store_options())
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
+        self._host_ids = any(s.needs_host_ids for s in self.stores.values())
         self._trace = _TraceWriter(settings.trace) if settings.trace else None
         self._lock = threading.Lock()
         self._steps = self._tokens = 0
@@ -99,8 +100,13 @@ class EngramRuntime:
         """Issue every layer's gather for this step's hash ids [T, L, C]."""
         handles = {}
         if self.settings.prefetch and hash_ids.shape[0]:
+            # Stores that read on the host (disk) get the step's ids there in one copy,
+            # not one device-to-host copy per layer.
+            host_ids = hash_ids.cpu() if hash_ids.device.type != "cpu" and self._host_ids else None
             for L, i in self.layer_index.items():
-                handles[L] = self.stores[L].prefetch(hash_ids[:, i])
+                store = self.stores[L]
+                ids = host_ids if host_ids is not None and store.needs_host_ids else hash_ids
+                handles[L] = store.prefetch(ids[:, i])
         return EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
 
     def rows(self, step: EngramStep, layer_id: int) -> torch.Tensor:
