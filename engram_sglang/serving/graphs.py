@@ -5,9 +5,6 @@ the host, which reads the rows) cannot run inside a captured CUDA graph: a repla
 re-run the device kernels but never the host reads. SGLang captures graphs for decode
 (and, in 0.5.23, for prefill) by default on a GPU, so:
 
-The per-step trace (`--engram-trace`, for tests) copies ids and rows to the host every
-step, so it gets the same treatment.
-
 * `launch_server` (the plugin's hook on `prepare_server_args`): for such a placement the
   plugin adds `--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled`
   and says so in one line; a user who asked for a graph backend explicitly is refused with
@@ -16,8 +13,10 @@ step, so it gets the same treatment.
   to start, in one line, when graphs are still on for such a placement on a GPU
   (`check_capturable`, called where the stores are opened).
 
-Device and host placements (HBM, or pinned host memory read in-kernel over UVA) do no host
-work per step and are left to SGLang's graph settings.
+The per-step trace (`--engram-trace`, for tests) copies ids and rows to the host every
+step, so it gets the same treatment. Device and host placements (HBM, or pinned host
+memory read in-kernel over UVA) do no host work per step and are left to SGLang's graph
+settings.
 """
 
 from __future__ import annotations
