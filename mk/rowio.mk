@@ -7,6 +7,6 @@ rowio: $(ROWIO_LIB)
 
 $(ROWIO_LIB): $(ROWIO_SRC)
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++17 -O2 -fPIC -shared -pthread -fno-fast-math -Wall -Wextra -o $@ $<
+	$(CXX) -std=c++17 -O2 -fPIC -shared -pthread -fno-fast-math -Wall -Wextra -Wl,-z,defs -o $@ $<
 
 TEST_PREREQS += rowio

@@ -153,7 +153,10 @@ class DiskStore(TableStore):
         lo, hi = row_range
         self.dram = DramRowCache(dram_cache_bytes, max_rows=hi - lo) if dram_cache_bytes else None
         self._file_rows = 0  # rows read from the file (cache misses), all calls
-        self._ahead: Optional[ThreadPoolExecutor] = None
+        self._ahead: Optional[ThreadPoolExecutor] = None  # read-ahead
+        self._io: Optional[ThreadPoolExecutor] = None  # a call's misses, read while its hits are copied
+        self._admitter: Optional[ThreadPoolExecutor] = None
+        self._admission: Optional[Future] = None
         self._ahead_rows = 0
         rowio.library()  # fail at start-up, not at the first request, when it is not built
         self.threads, self.direct, self.retries = threads, direct, retries
@@ -212,20 +215,39 @@ class DiskStore(TableStore):
             staging = self._read_file(wanted)
             self._file_rows += wanted.shape[0]
             return staging
+        if self._admission is not None:  # the previous call's admissions (done by now, normally)
+            self._admission.result()
+            self._admission = None
         staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+        reading = None
         with self.dram.lock:
             hit, slot = self.dram.lookup(wanted)
-            self.dram.copy_hits(slot, hit, staging)
-        if hit.all():
+            missed = wanted[~hit]
+            if missed.shape[0]:
+                # The misses' reads start first; the hits are copied while they are in flight.
+                reading = self._worker("_io", "io").submit(self._read_file, missed)
+            self.dram.copy_hits(slot, hit, staging)  # under the lock: no admission reuses a slot meanwhile
+        if reading is None:
             return staging
-        missed = wanted[~hit]
-        got = self._read_file(missed)  # the lock is free meanwhile: read-ahead may run
+        got = reading.result()
         staging[~hit] = got
         self._file_rows += missed.shape[0]
-        with self.dram.lock:
-            new = ~self.dram.contains(missed)  # read ahead by another thread meanwhile
-            self.dram.admit(missed[new], got[new])
+        # Admission is off the critical path: the next call waits for it only if it is not done.
+        self._admission = self._worker("_admitter", "admit").submit(self._admit, missed, got)
         return staging
+
+    def _admit(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        with self.dram.lock:
+            new = ~self.dram.contains(ids)  # read ahead by another thread meanwhile
+            self.dram.admit(ids[new], rows[new])
+
+    def _worker(self, attr: str, name: str) -> ThreadPoolExecutor:
+        """One lazily started thread of this store (its I/O, its admissions)."""
+        pool = getattr(self, attr)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{name}-l{self.layer_id}")
+            setattr(self, attr, pool)
+        return pool
 
     def read_ahead(self, ids: torch.Tensor | np.ndarray) -> Optional[Future]:
         """Start reading the rows of `ids` (any shape; other shards' ids ignored) into the
@@ -239,9 +261,7 @@ class DiskStore(TableStore):
         uniq = np.unique(flat)
         first, end = np.searchsorted(uniq, self.row_range)
         wanted = uniq[first:end].astype(np.int64)
-        if self._ahead is None:
-            self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-ahead-l{self.layer_id}")
-        return self._ahead.submit(self._read_ahead, wanted)
+        return self._worker("_ahead", "ahead").submit(self._read_ahead, wanted)
 
     def _read_ahead(self, wanted: np.ndarray) -> int:
         try:
@@ -311,9 +331,11 @@ class DiskStore(TableStore):
 
     def close(self) -> None:
         super().close()
-        if self._ahead is not None:
-            self._ahead.shutdown(wait=True)
-            self._ahead = None
+        for attr in ("_ahead", "_io", "_admitter"):
+            pool = getattr(self, attr)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, attr, None)
         if self.dram is not None:
             self.dram.close()
             self.dram = None
