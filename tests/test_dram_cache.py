@@ -76,7 +76,11 @@ def test_too_small_a_cache_is_one_clear_error():
         DramRowCache(100)
 
 
-def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(tables, rng):
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "threads"])
+def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(tables, rng, monkeypatch, overlap):
+    from engram_sglang.stores import placements
+
+    monkeypatch.setattr(placements, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
     root, rows = tables
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, threads=8, dram_cache_bytes=4 << 20)[L]
@@ -97,7 +101,13 @@ def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(table
         store.close()
 
 
-def test_a_tiny_cache_under_heavy_eviction_stays_bit_exact(tables, rng):
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "threads"])
+def test_a_tiny_cache_under_heavy_eviction_stays_bit_exact(tables, rng, monkeypatch, overlap):
+    """Both ways of serving a call: inline (decode-sized) and with the misses read on the
+    I/O thread while hits are copied, admission afterwards (prefill-sized)."""
+    from engram_sglang.stores import placements
+
+    monkeypatch.setattr(placements, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
     root, rows = tables
     for L, store in open_store(root, "disk", cfg=CFG, dram_cache_bytes=24 << 10, threads=4).items():
         try:

@@ -31,6 +31,10 @@ from .metrics import METRICS
 logger = logging.getLogger(__name__)
 
 
+# Distinct rows of a call from which the DRAM-cached disk store overlaps its work on threads.
+_OVERLAP_ROWS = 16384
+
+
 def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str) -> torch.Tensor:
     return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend)
 
@@ -219,21 +223,28 @@ class DiskStore(TableStore):
             self._admission.result()
             self._admission = None
         staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+        # Big calls (prefill chunks) overlap: the misses' reads start first and the hits are
+        # copied while they are in flight; admission runs after the call returns. For a
+        # decode step's few thousand rows two thread hand-offs cost more than they save
+        # (and on a small machine the extra threads take CPU from the model).
+        overlap = wanted.shape[0] >= _OVERLAP_ROWS
         reading = None
         with self.dram.lock:
             hit, slot = self.dram.lookup(wanted)
             missed = wanted[~hit]
-            if missed.shape[0]:
-                # The misses' reads start first; the hits are copied while they are in flight.
+            if missed.shape[0] and overlap:
                 reading = self._worker("_io", "io").submit(self._read_file, missed)
             self.dram.copy_hits(slot, hit, staging)  # under the lock: no admission reuses a slot meanwhile
-        if reading is None:
+        if not missed.shape[0]:
             return staging
-        got = reading.result()
+        got = reading.result() if reading is not None else self._read_file(missed)
         staging[~hit] = got
         self._file_rows += missed.shape[0]
-        # Admission is off the critical path: the next call waits for it only if it is not done.
-        self._admission = self._worker("_admitter", "admit").submit(self._admit, missed, got)
+        if overlap:
+            # The next call waits for it only if it is not done.
+            self._admission = self._worker("_admitter", "admit").submit(self._admit, missed, got)
+        else:
+            self._admit(missed, got)
         return staging
 
     def _admit(self, ids: np.ndarray, rows: np.ndarray) -> None:
