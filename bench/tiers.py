@@ -240,7 +240,7 @@ def pipeline(args) -> None:
     shares = [float(x) for x in args.dram_shares.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     length = min(s.shape[0] for s in streams)
-    warm = min(length - args.measure_steps, max(0, args.warm_tokens // len(streams)))
+    warm = min(length - args.measure_steps, max(1, args.warm_tokens // len(streams)))
     print(f"pipeline: {table_bytes / 2**30:.1f} GiB table, RAM {ram_bytes() / 2**30:.1f} GiB, {n_tokens:,} tokens of "
           f"{args.kind}; DRAM caches warmed with the first {warm} tokens of {len(streams)} streams", flush=True)
     # Prefill chunks from text after what the decode steps read (no rows of theirs cached).
@@ -307,6 +307,7 @@ def decode_run(store, streams, batch: int, start: int, steps: int, iops: float) 
     """Decode steps start..start+steps of the first `batch` streams: time per step against
     the floor its unique misses set at `iops`."""
     times, floors, misses, cpu = [], [], [], 0.0
+    store.gather(torch.stack([streams[b][start - 1, 0] for b in range(batch)]))  # first call: AIO set-up
     hits0, looked0 = (store.dram.hits, store.dram.lookups) if store.dram else (0, 0)
     for t in range(start, start + steps):
         ids = torch.stack([streams[b][t, 0] for b in range(batch)])
