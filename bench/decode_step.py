@@ -358,22 +358,11 @@ def limits(device: torch.device, small: bool) -> dict:
     dst = torch.empty(n, dtype=torch.uint8, device=device)
     src = torch.ones(n, dtype=torch.uint8, device=device)
 
-    def best(fn, iters):
-        fn()
-        torch.cuda.synchronize(device)
-        out = float("inf")
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            out = min(out, a.elapsed_time(b) / 1e3 / iters)
-        return out
+    from gpu_check import time_gpu  # CUDA events, best of 3 (one timer for both scripts)
 
-    h2d = n / best(lambda: dst.copy_(pinned, non_blocking=True), 5)
-    d2d = 2 * n / best(lambda: dst.copy_(src), 10)
+    torch.cuda.set_device(device)
+    h2d = n / time_gpu(torch, lambda: dst.copy_(pinned, non_blocking=True), 5)
+    d2d = 2 * n / time_gpu(torch, lambda: dst.copy_(src), 10)
     del pinned, dst, src
     return {"h2d_pinned_GBps": h2d / 1e9, "d2d_GBps": d2d / 1e9}
 
