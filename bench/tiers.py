@@ -246,38 +246,57 @@ def pipeline(args) -> None:
     # Prefill chunks from text after what the decode steps read (no rows of theirs cached).
     chunks = prefill_chunks([s[warm + args.measure_steps:] for s in streams], 0, 2 * args.prefill_chunks + 1)
     decode, prefill, iops_runs = [], [], []
+    disk_iops(path, 2.0, args.threads)  # untimed: the first reads after a pause ran at a fraction of the IOPS here
     for share in shares:
-        # The limit again before each cache size: this machine's disk varies minute to minute.
-        iops, iops_tool = disk_iops(path, args.iops_seconds, args.threads)
-        iops_runs.append(iops)
+        # The limit again before and after each cache size: this machine's disk varies minute
+        # to minute (14-86 k IOPS seen in one hour); the floor uses the mean of the two.
+        before, iops_tool = disk_iops(path, args.iops_seconds, args.threads)
         store = open_store(root, "disk", cfg=cfg, threads=args.threads, direct=True,
                            dram_cache_bytes=int(share * table_bytes))[cfg.layer_ids[0]]
         try:
             warmed = warm_cache(store, streams, warm)
             for batch in batches:
-                decode.append(decode_run(store, streams, batch, warm, args.measure_steps, iops)
-                              | {"dram_share": share, "iops": iops, "warm_rows": warmed})
+                decode.append(decode_run(store, streams, batch, warm, args.measure_steps, before)
+                              | {"dram_share": share, "iops": before, "warm_rows": warmed})
                 d = decode[-1]
                 print(f"  DRAM {share:>5.0%} batch {batch:3d}: {d['ms_per_step']:7.2f} ms/step, floor "
-                      f"{d['floor_ms_per_step']:6.2f} ms at {iops / 1e3:.1f} k IOPS, x{d['vs_floor']:.2f}, "
+                      f"{d['floor_ms_per_step']:6.2f} ms at {before / 1e3:.1f} k IOPS (before), x{d['vs_floor']:.2f}, "
                       f"hit {d['dram_hit_rate']:.0%}", flush=True)
-            prefill.append(prefill_run(store, chunks, iops, args.chunk_compute_ms / 1e3)
-                           | {"dram_share": share, "iops": iops})
+            prefill.append(prefill_run(store, chunks, before, args.chunk_compute_ms / 1e3)
+                           | {"dram_share": share, "iops": before})
         finally:
             store.close()
+        after, _ = disk_iops(path, args.iops_seconds, args.threads)
+        iops = (before + after) / 2
+        iops_runs.append({"before": before, "after": after})
+        steady = abs(after - before) <= 0.2 * iops
+        for r in decode[-len(batches):] + prefill[-1:]:
+            rescale = r["iops"] / iops  # the floor and ratios at the mean IOPS of the window
+            r.update(iops=iops, iops_before=before, iops_after=after, iops_steady=steady)
+            if "floor_ms_per_step" in r:
+                r["floor_ms_per_step"] *= rescale
+                r["vs_floor"] /= rescale
+            else:
+                r["vs_iops"] *= rescale
+        if not steady:
+            print(f"  WARNING: the disk moved from {before / 1e3:.1f} k to {after / 1e3:.1f} k IOPS during this cache "
+                  f"size: its ratios are not reliable", flush=True)
         p = prefill[-1]
         hidden = "n/a (no cache to read into)" if p["hidden_share"] is None else f"{p['hidden_share']:.0%}"
         print(f"  DRAM {share:>5.0%} prefill: misses at {p['miss_rows_per_s'] / 1e3:.1f} k rows/s = "
               f"{p['vs_iops']:.0%} of IOPS; read-ahead hides {hidden}", flush=True)
 
-    limits = {"iops": float(np.mean(iops_runs)), "iops_runs": iops_runs, "iops_tool": iops_tool,
+    limits = {"iops": float(np.mean([(r["before"] + r["after"]) / 2 for r in iops_runs])), "iops_runs": iops_runs,
+              "iops_tool": iops_tool,
               "ram_bytes": ram_bytes(), "table_bytes": table_bytes}
     print_table(
         f"Disk tier decode steps, {table_bytes / 2**30:.1f} GiB table (RAM {ram_bytes() / 2**30:.1f} GiB), O_DIRECT "
-        f"native AIO, {args.threads} in flight; IOPS by {iops_tool}, measured before each cache size",
-        ["DRAM cache", "batch", "ms/step", "p99 ms", "misses/step", "k IOPS", "floor ms", "vs floor", "DRAM hit",
-         "CPU ms/step"],
-        [[f"{d['dram_share']:.0%}", d["batch"], d["ms_per_step"], d["p99_ms"], d["misses_per_step"], d["iops"] / 1e3,
+        f"native AIO, {args.threads} in flight; IOPS by {iops_tool}, mean of before and after each cache size",
+        ["DRAM cache", "batch", "ms/step", "p99 ms", "misses/step", "k IOPS (before/after)", "floor ms", "vs floor",
+         "DRAM hit", "CPU ms/step"],
+        [[f"{d['dram_share']:.0%}", d["batch"], d["ms_per_step"], d["p99_ms"], d["misses_per_step"],
+          f"{d['iops'] / 1e3:.1f} ({d['iops_before'] / 1e3:.0f}/{d['iops_after'] / 1e3:.0f})"
+          + ("" if d["iops_steady"] else " UNSTEADY"),
           d["floor_ms_per_step"], d["vs_floor"], f"{d['dram_hit_rate']:.0%}", d["cpu_ms_per_step"]] for d in decode])
     print_table(
         f"Disk tier prefill chunks (8192 tokens x 24 rows); read-ahead behind {args.chunk_compute_ms:.0f} ms of "
