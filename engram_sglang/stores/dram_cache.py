@@ -94,11 +94,7 @@ class DramRowCache:
         """(hit [n] bool, slot [n] int64; -1 for a miss) of distinct row ids; marks hits used.
         Call with `lock` held, together with `copy_hits` (an admission could reuse the slot)."""
         self.begin()
-        base = self.set_of(ids) * self.ways
-        ways = base[:, None] + self._ways
-        eq = self.tags[ways] == ids[:, None]
-        hit = eq.any(1)
-        slot = np.where(hit, base + eq.argmax(1), -1)
+        hit, slot = self._find(ids)
         self.last[slot[hit]] = self._clock
         self.lookups += ids.shape[0]
         self.hits += int(np.count_nonzero(hit))
@@ -138,8 +134,14 @@ class DramRowCache:
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which ids are cached (no side effects; for tests and read-ahead filtering)."""
+        return self._find(ids)[0]
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(hit, slot or -1) of each id: its set's ways compared with it."""
         base = self.set_of(ids) * self.ways
-        return (self.tags[base[:, None] + self._ways] == ids[:, None]).any(1)
+        eq = self.tags[base[:, None] + self._ways] == ids[:, None]
+        hit = eq.any(1)
+        return hit, np.where(hit, base + eq.argmax(1), -1)
 
     def stats(self) -> dict:
         return {"dram_cache_bytes": self.nbytes, "dram_cache_rows": self.slots, "dram_cache_ways": self.ways,

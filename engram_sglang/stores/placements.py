@@ -247,9 +247,11 @@ class DiskStore(TableStore):
             self._admit(missed, got)
         return staging
 
-    def _admit(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _admit(self, ids: np.ndarray, rows: np.ndarray, *, new_use: bool = False) -> None:
         with self.dram.lock:
-            new = ~self.dram.contains(ids)  # read ahead by another thread meanwhile
+            new = ~self.dram.contains(ids)  # admitted by another thread meanwhile
+            if new_use:
+                self.dram.begin()  # read ahead: the most recent rows, not those of the last lookup
             self.dram.admit(ids[new], rows[new])
 
     def _worker(self, attr: str, name: str) -> ThreadPoolExecutor:
@@ -283,10 +285,7 @@ class DiskStore(TableStore):
             self._file_rows += wanted.shape[0]
             self._ahead_rows += wanted.shape[0]
             if self.dram is not None:
-                with self.dram.lock:
-                    new = ~self.dram.contains(wanted)
-                    self.dram.begin()
-                    self.dram.admit(wanted[new], got[new])
+                self._admit(wanted, got, new_use=True)
             return int(wanted.shape[0])
         except Exception as e:  # noqa: BLE001 - the gather that needs these rows reports it
             logger.warning("engram layer %d: read-ahead of %d rows failed: %s", self.layer_id, wanted.shape[0], e)
