@@ -83,7 +83,7 @@ def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(table
     monkeypatch.setattr(placements, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
     root, rows = tables
     L = CFG.layer_ids[0]
-    store = open_store(root, "disk", cfg=CFG, direct=True, threads=8, dram_cache_bytes=4 << 20)[L]
+    store = open_store(root, "disk", cfg=CFG, direct=True, threads=8, dram_cache_bytes=16 << 20)[L]
     try:
         ids = torch.randint(0, LAYOUT.rows(L), (64, 24), generator=rng)
         ids[0, :2] = torch.tensor([0, LAYOUT.rows(L) - 1])  # first and last row
@@ -126,12 +126,16 @@ def test_read_ahead_fills_the_cache_so_the_gather_reads_nothing(tables, rng):
     store = open_store(root, "disk", cfg=CFG, direct=True, dram_cache_bytes=64 << 20)[L]
     try:
         ids = torch.randint(0, LAYOUT.rows(L), (300, 24), generator=rng)
-        assert store.read_ahead(ids).result() == torch.unique(ids).numel()
+        uniq = torch.unique(ids).numpy()
+        assert store.read_ahead(ids).result() == uniq.shape[0]
+        # A set that drew more of these rows than it has ways keeps only `ways` of them.
+        left_out = int((~store.dram.contains(uniq)).sum())
+        assert left_out <= uniq.shape[0] // 100
         before = store.stats()["file_rows_read"]
         got = store.gather(ids)
-        assert store.stats()["file_rows_read"] == before  # read ahead: no file read now
+        assert store.stats()["file_rows_read"] == before + left_out  # read ahead: only those read now
         assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[L], ids)))
-        assert store.read_ahead(ids).result() == 0  # all cached already
+        assert store.read_ahead(ids).result() <= uniq.shape[0] // 100  # cached already (but full sets)
     finally:
         store.close()
     plain = open_store(root, "disk", cfg=CFG, direct=True)[L]
