@@ -124,3 +124,56 @@ def test_loader_skips_table_tensors_only_when_our_store_serves():
     torch.nn.Module.__init__(model.embed)
     model.load_weights((n, None) for n in names)
     assert seen == ["model.layers.1.engram.wkv.weight"]
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_hashing_prefetches_every_served_layer_and_each_lookup_waits_on_its_own(parallel, table, placement,
+                                                                              monkeypatch):
+    """The wrapped EngramHasher.forward starts each served layer's gather as soon as the
+    step's ids exist; a layer's lookup of that very view takes the prefetched rows, any
+    other ids are gathered afresh (never stale rows), and the next step replaces the rest."""
+    from engram_sglang.models import deepseek_v4_hook
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_engram_hasher
+    from engram_sglang.stores import open_store
+
+    table_dir, _, layout = table
+    monkeypatch.setattr(deepseek_v4_hook, "_EMBEDS", deepseek_v4_hook.weakref.WeakSet())
+    stores = open_store(table_dir, placement, "cpu", cfg=CFG)
+    started = []  # (layer, Prefetch) in the order they were started
+    for L, store in stores.items():
+        real = store.prefetch
+        monkeypatch.setattr(store, "prefetch",
+                            lambda ids, real=real, L=L: started.append((L, real(ids))) or started[-1][1])
+    embs = {L: StoreEngramEmbedding(layout.rows(L), 256, L, layout.column_bounds(i), store=stores[L], hash_index=i)
+            for i, L in enumerate(CFG.layer_ids)}
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    step_ids = torch.stack([torch.randint(0, layout.rows(L), (40, 6), generator=gen) for L in CFG.layer_ids], 1)
+
+    class Hasher:  # stands in for upstream's EngramHasher: its forward returns the step's ids
+        def forward(self, input_ids, forward_batch):
+            return step_ids
+
+    patch_engram_hasher(type("Module", (), {"EngramHasher": Hasher}))
+    try:
+        hash_ids = Hasher().forward(None, None)
+        assert len(started) == 2  # both layers, before any layer ran
+        for i, L in enumerate(CFG.layer_ids):
+            want = stores[L].gather(hash_ids[:, i])
+            got = embs[L](hash_ids[:, i])
+            assert got is dict(started)[L]._rows  # the prefetched rows, not a second gather
+            assert torch.equal(bf16_bits(got), bf16_bits(want))
+        # Other ids than the prefetched view: gathered afresh.
+        Hasher().forward(None, None)
+        other = hash_ids[:, 0].flip(0).contiguous()
+        got = embs[CFG.layer_ids[0]](other)
+        assert torch.equal(bf16_bits(got), bf16_bits(stores[CFG.layer_ids[0]].gather(other)))
+        assert embs[CFG.layer_ids[0]]._pending is None  # consumed or dropped: never served later
+        # Prefetch off (ENGRAM_PREFETCH=0): no hash index, the lookup gathers in the layer.
+        quiet = StoreEngramEmbedding(layout.rows(LAYER), 256, LAYER, layout.column_bounds(1), store=stores[LAYER],
+                                     hash_index=1, prefetch=False)
+        n = len(started)
+        Hasher().forward(None, None)
+        assert len(started) == n + 2 and quiet._pending is None
+    finally:
+        for s in stores.values():
+            s.close()

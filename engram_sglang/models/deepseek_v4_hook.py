@@ -9,12 +9,19 @@ exists), the plugin swaps in `StoreEngramEmbedding`: the same call
 by our TableStore in the configured placement with our gather kernels, and the loader
 skips the checkpoint's `.engram.embed.{weight,scale}` tensors. Everything else of upstream's
 Engram (hashing, history, wkv, gate) is unchanged.
+
+Prefetch: upstream hashes every Engram layer's ids once per step (`EngramHasher.forward`,
+before the decoder layers). The hook wraps that call to start every served layer's gather
+right away (`TableStore.prefetch`: a side stream on a GPU, a worker thread on the CPU), and
+each layer's lookup waits on its own handle, so host and disk reads overlap the layers
+before it. Not while a CUDA graph is being captured: there the lookup stays in the layer.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _EMBED_TENSOR = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
 _STORES: dict = {}
+_EMBEDS: "weakref.WeakSet[StoreEngramEmbedding]" = weakref.WeakSet()  # this process's, for prefetch
 
 
 class StoreEngramEmbedding(nn.Module):
@@ -37,7 +45,7 @@ class StoreEngramEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: tuple[int, ...], *, store,
-                 tp_size: int = 1):
+                 tp_size: int = 1, hash_index: Optional[int] = None, prefetch: bool = True):
         super().__init__()
         if store.rows != num_embeddings:
             raise EngramError(f"{store.path}: layer {layer_id} table has {store.rows} rows, the model's config wants "
@@ -54,6 +62,10 @@ class StoreEngramEmbedding(nn.Module):
         self.peer = None
         self.staged_by_scheduler = False
         self.shared_host_table_without_ats = False
+        # Prefetch: this layer's column of the step's hash ids, and the gather started for it.
+        self.hash_index = hash_index if prefetch else None
+        self._pending = None
+        _EMBEDS.add(self)
 
     def finish_load(self, label: str) -> None:
         logger.info("engram %s: served by engram-sglang (%s)", label, self.store.describe())
@@ -61,15 +73,65 @@ class StoreEngramEmbedding(nn.Module):
     def new_rows(self, indices: torch.Tensor) -> torch.Tensor:
         return torch.empty(*indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device)
 
+    def prefetch(self, indices: torch.Tensor) -> None:
+        """Start the gather of this step's ids (a view of the step's hash ids)."""
+        self._pending = (indices, self.store.prefetch(indices))
+
     def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
+        pending, self._pending = self._pending, None
         if indices.shape[0] == 0:
             return self.new_rows(indices)
-        rows = self.store.gather(indices)
+        if pending is not None and _same_view(pending[0], indices):
+            rows = pending[1].wait()
+        else:
+            rows = self.store.gather(indices)
         if self.tp_size > 1:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
             rows = tensor_model_parallel_all_reduce(rows)
         return rows
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b is the very view a prefetch was started for (same memory, shape, strides)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+def prefetch_step(hash_ids: torch.Tensor) -> int:
+    """Start every served layer's gather for this step's hash ids [T, n_layers, cols];
+    returns how many. A layer whose lookup then gets other ids (e.g. a context-parallel
+    slice) gathers them itself; every step replaces what the previous one left."""
+    capturing = hash_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    started = 0
+    for emb in list(_EMBEDS):
+        emb._pending = None
+        if capturing or emb.hash_index is None or hash_ids.dim() != 3 or not hash_ids.shape[0]:
+            continue
+        if emb.hash_index < hash_ids.shape[1]:
+            emb.prefetch(hash_ids[:, emb.hash_index])
+            started += 1
+    return started
+
+
+def patch_engram_hasher(module) -> None:
+    """Wrap upstream's `EngramHasher.forward` (the step's hashing) to prefetch every served
+    layer's rows as soon as the ids exist. Subclasses with their own forward (our Qwen3
+    family's StepHasher) are not affected."""
+    cls = module.EngramHasher
+    original = cls.forward
+    if getattr(original, "_engram_sglang", False):
+        return
+
+    def forward(self, input_ids, forward_batch, *args, **kwargs):
+        hash_ids = original(self, input_ids, forward_batch, *args, **kwargs)
+        if _EMBEDS:
+            prefetch_step(hash_ids)
+        return hash_ids
+
+    forward._engram_sglang = True
+    forward.__wrapped__ = original
+    cls.forward = forward
 
 
 def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] = None, device=None,
@@ -129,11 +191,27 @@ def patch_engram_module(module) -> None:
         store = open_layer_store(layer_id, model_path=model_path, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
         if store is None:
             return upstream(num_embeddings, dim, layer_id, column_bounds)
-        return StoreEngramEmbedding(num_embeddings, dim, layer_id, column_bounds, store=store, tp_size=parallel.tp_size)
+        from ..serving.settings import ServeSettings
+
+        return StoreEngramEmbedding(num_embeddings, dim, layer_id, column_bounds, store=store, tp_size=parallel.tp_size,
+                                    hash_index=_hash_index(layer_id, model_path),
+                                    prefetch=ServeSettings.from_env().prefetch)
 
     EngramEmbedding._engram_sglang_factory = True
     EngramEmbedding.upstream = upstream
     module.EngramEmbedding = EngramEmbedding
+    patch_engram_hasher(module)
+
+
+def _hash_index(layer_id: int, model_path: Optional[str]) -> Optional[int]:
+    """The layer's column of the hasher's output: its place in the config's engram_layer_ids
+    (upstream's order); None (no prefetch) without a readable config."""
+    from ..config import EngramConfig
+
+    try:
+        return EngramConfig.from_pretrained(model_path).layer_ids.index(layer_id) if model_path else None
+    except (EngramError, OSError, ValueError):
+        return None
 
 
 def patch_deepseek_v4(module) -> None:
