@@ -30,6 +30,8 @@ import logging
 import sys
 from typing import Callable
 
+from .patching import wrap_method
+
 logger = logging.getLogger(__name__)
 
 _loaded = False
@@ -122,11 +124,9 @@ def _count_engram_bytes_per_kv_token(module) -> None:
     """SGLang sizes the KV pool as free memory / bytes per token: a model that keeps state
     per KV slot (Qwen3EngramForCausalLM's conv inputs) adds its bytes to that cost, so the
     pool and the state fit together."""
-    configurator = module.DefaultPoolConfigurator
-    original = configurator._compute_cell_size
     said = set()  # SGLang builds the configurator more than once: one line per size
 
-    def _compute_cell_size(self, kvc, num_layers):
+    def _compute_cell_size(original, self, kvc, num_layers):
         cell = original(self, kvc, num_layers)
         extra = getattr(getattr(kvc, "model", None), "engram_bytes_per_kv_token", None)
         if callable(extra) and not getattr(kvc, "is_draft_worker", False):
@@ -138,32 +138,25 @@ def _count_engram_bytes_per_kv_token(module) -> None:
             cell += add
         return cell
 
-    _compute_cell_size.__wrapped__ = original
-    configurator._compute_cell_size = _compute_cell_size
+    wrap_method(module.DefaultPoolConfigurator, "_compute_cell_size", _compute_cell_size)
 
 
 def _allocate_engram_buffers_with_kv_pool(module) -> None:
     """Per-KV-slot Engram state is allocated once the KV pool exists: before the attention
     backends and before any CUDA graph is captured (never inside a capture)."""
-    runner = module.ModelRunner
-    original = runner._init_post_memory_pool_components
 
-    def _init_post_memory_pool_components(self, *args, **kwargs):
+    def _init_post_memory_pool_components(original, self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         init = getattr(getattr(self, "model", None), "init_engram_buffers", None)
         if callable(init):
             init(self.token_to_kv_pool)
         return out
 
-    _init_post_memory_pool_components.__wrapped__ = original
-    runner._init_post_memory_pool_components = _init_post_memory_pool_components
+    wrap_method(module.ModelRunner, "_init_post_memory_pool_components", _init_post_memory_pool_components)
 
 
 def _report_internal_state(module) -> None:
-    controller = module.SchedulerInternalStateController
-    original = controller.get_internal_state
-
-    def get_internal_state(self, recv_req):
+    def get_internal_state(original, self, recv_req):
         out = original(self, recv_req)
         from .serving.runtime import active_runtimes
 
@@ -172,8 +165,7 @@ def _report_internal_state(module) -> None:
             out.internal_state["engram"] = runtimes[0].stats()
         return out
 
-    get_internal_state.__wrapped__ = original
-    controller.get_internal_state = get_internal_state
+    wrap_method(module.SchedulerInternalStateController, "get_internal_state", get_internal_state)
 
 
 class _PatchingLoader(importlib.abc.Loader):

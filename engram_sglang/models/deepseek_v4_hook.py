@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import EngramError
+from ..patching import wrap_method
 
 logger = logging.getLogger(__name__)
 
@@ -118,20 +119,14 @@ def patch_engram_hasher(module) -> None:
     """Wrap upstream's `EngramHasher.forward` (the step's hashing) to prefetch every served
     layer's rows as soon as the ids exist. Subclasses with their own forward (our Qwen3
     family's StepHasher) are not affected."""
-    cls = module.EngramHasher
-    original = cls.forward
-    if getattr(original, "_engram_sglang", False):
-        return
 
-    def forward(self, input_ids, forward_batch, *args, **kwargs):
+    def forward(original, self, input_ids, forward_batch, *args, **kwargs):
         hash_ids = original(self, input_ids, forward_batch, *args, **kwargs)
         if _EMBEDS:
             prefetch_step(hash_ids)
         return hash_ids
 
-    forward._engram_sglang = True
-    forward.__wrapped__ = original
-    cls.forward = forward
+    wrap_method(module.EngramHasher, "forward", forward)
 
 
 def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] = None, device=None,
@@ -216,17 +211,10 @@ def _hash_index(layer_id: int, model_path: Optional[str]) -> Optional[int]:
 
 def patch_deepseek_v4(module) -> None:
     """The loader skips `.engram.embed.{weight,scale}` when our store serves the tables."""
-    cls = module.DeepseekV4ForCausalLM
-    original = cls.load_weights
-    if getattr(original, "_engram_sglang", False):
-        return
 
-    def load_weights(self, weights, *args, **kwargs):
-        served = any(isinstance(m, StoreEngramEmbedding) for m in self.modules())
-        if served:
+    def load_weights(original, self, weights, *args, **kwargs):
+        if any(isinstance(m, StoreEngramEmbedding) for m in self.modules()):
             weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
         return original(self, weights, *args, **kwargs)
 
-    load_weights._engram_sglang = True
-    load_weights.__wrapped__ = original
-    cls.load_weights = load_weights
+    wrap_method(module.DeepseekV4ForCausalLM, "load_weights", load_weights)

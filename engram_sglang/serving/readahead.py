@@ -16,24 +16,20 @@ from __future__ import annotations
 
 import logging
 
+from ..patching import wrap_method
+
 logger = logging.getLogger(__name__)
 _failed_once = False
 
 
 def patch_scheduler(module) -> None:
     """Wrap `Scheduler.run_batch` of sglang.srt.managers.scheduler."""
-    scheduler_cls = module.Scheduler
-    original = scheduler_cls.run_batch
-    if getattr(original, "_engram_read_ahead", False):
-        return
 
-    def run_batch(self, batch, *args, **kwargs):
+    def run_batch(original, self, batch, *args, **kwargs):
         read_ahead_next_chunk(self, batch)
         return original(self, batch, *args, **kwargs)
 
-    run_batch.__wrapped__ = original
-    run_batch._engram_read_ahead = True
-    scheduler_cls.run_batch = run_batch
+    wrap_method(module.Scheduler, "run_batch", run_batch)
 
 
 def read_ahead_next_chunk(scheduler, batch) -> int:

@@ -82,6 +82,9 @@ class EngramRuntime:
                                  tp_size=tp_size, backend=settings.backend, **settings.store_options())
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
         self._host_ids = any(s.needs_host_ids for s in self.stores.values())
+        # Hash column -> the disk store (below a hot-row cache, if any) whose DRAM cache takes read-ahead.
+        lower = {i: getattr(self.stores[L], "inner", self.stores[L]) for L, i in self.layer_index.items()}
+        self._ahead = {i: s for i, s in lower.items() if getattr(s, "dram", None) is not None}
         self._trace = _TraceWriter(settings.trace) if settings.trace else None
         self._lock = threading.Lock()
         self._steps = self._tokens = 0
@@ -156,24 +159,16 @@ class EngramRuntime:
     @property
     def reads_ahead(self) -> bool:
         """Whether any layer keeps rows read ahead (a disk store with a DRAM row cache)."""
-        return any(getattr(self._lower(s), "dram", None) is not None for s in self.stores.values())
-
-    @staticmethod
-    def _lower(store):
-        return getattr(store, "inner", store)  # the tier below a hot-row cache
+        return bool(self._ahead)
 
     def read_ahead(self, tokens, *, history=(), start: int = 0) -> int:
         """Start reading the rows of one request's coming tokens (absolute position `start`,
         `history` the raw tokens before them) into the DRAM row caches. Returns the rows
         submitted (before each store drops what it holds already)."""
         ids = self.hasher.hash_sequence(list(tokens), history=list(history), start=start)
-        submitted = 0
-        for L, i in self.layer_index.items():
-            store = self._lower(self.stores[L])
-            if getattr(store, "dram", None) is not None:
-                store.read_ahead(ids[:, i])
-                submitted += ids[:, i].numel()
-        return submitted
+        for i, store in self._ahead.items():
+            store.read_ahead(ids[:, i])
+        return ids.shape[0] * ids.shape[2] * len(self._ahead)
 
     # ------------------------------------------------------------------ reports
     def stats(self) -> dict:

@@ -11,7 +11,7 @@ import torch
 from ..config import EngramConfig
 from ..errors import EngramError
 from ..tablefile import open_tables
-from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range
+from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .placements import DeviceStore, DiskStore, HostStore
 
@@ -69,14 +69,14 @@ def open_store(
     tables = open_tables(table_dir, cfg)
     if placement == "host":
         options.setdefault("fingerprint", tables.fingerprint)
-    dram_total = options.pop("dram_cache_bytes", 0)
-    held = {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()}
+    dram = split_by_rows(options.pop("dram_cache_bytes", 0),
+                         {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()})
     stores: dict[int, TableStore] = {}
     try:
         for layer_id, info in sorted(tables.layers.items()):
             row_range = shard_range(info.rows, tp_rank, tp_size)
-            if dram_total:
-                options["dram_cache_bytes"] = dram_total * held[layer_id] // max(1, sum(held.values()))
+            if dram[layer_id]:
+                options["dram_cache_bytes"] = dram[layer_id]
             store = _CLASSES[placement](layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
             logger.info("%s", store.describe())

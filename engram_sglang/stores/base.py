@@ -34,6 +34,13 @@ def shard_range(rows: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return lo, lo + base + (1 if tp_rank < extra else 0)
 
 
+def split_by_rows(total_bytes: int, held: dict[int, int]) -> dict[int, int]:
+    """Bytes per layer of a budget for all layers of a rank, in proportion to the rows each
+    layer's store holds (layer id -> rows)."""
+    rows = sum(held.values()) or 1
+    return {L: total_bytes * n // rows for L, n in held.items()}
+
+
 class Prefetch:
     """A gather in flight. `wait()` returns its bf16 rows (and re-raises its error)."""
 

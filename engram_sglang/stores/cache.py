@@ -51,7 +51,7 @@ from prometheus_client import Counter, Gauge
 
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
-from .base import TableStore
+from .base import TableStore, split_by_rows
 
 logger = logging.getLogger(__name__)
 
@@ -627,12 +627,11 @@ def wrap_stores(stores: dict[int, TableStore], cache_bytes: int, *, profile: Opt
     bytes for all layers together) in proportion to the rows each store holds."""
     if cache_bytes <= 0:
         return stores
-    held = {L: s.row_range[1] - s.row_range[0] for L, s in stores.items()}
-    total = sum(held.values()) or 1
+    budget = split_by_rows(cache_bytes, {L: s.row_range[1] - s.row_range[0] for L, s in stores.items()})
     out: dict[int, TableStore] = {}
     try:
         for L, store in sorted(stores.items()):
-            out[L] = HotRowCache(store, cache_bytes * held[L] // total, profile=profile, fingerprint=fingerprint,
+            out[L] = HotRowCache(store, budget[L], profile=profile, fingerprint=fingerprint,
                                  **options)
             logger.info("%s", out[L].describe())
     except BaseException:

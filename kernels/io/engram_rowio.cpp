@@ -372,14 +372,18 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
         for (int done = 0; done < batch;) {
             const long r = syscall(SYS_io_submit, state.ctx, batch - done, submit.data() + done);
             if (r < 0) {
-                if (errno == EINTR || errno == EAGAIN) continue;
-                // Not submitted: give those slots back and report.
-                error = errno;
+                if (errno == EINTR) continue;
+                // Not submitted: give those slots back. EAGAIN while reads are in flight means
+                // the kernel is out of request slots for now: reap, then submit the rest again
+                // (spinning on io_submit would never free any). Anything else is reported.
+                const bool later = errno == EAGAIN && in_flight > 0;
+                if (!later) error = errno;
                 for (int k = done; k < batch; ++k) {
                     const uint64_t data = submit[static_cast<size_t>(k)]->aio_data;
                     free_slots.push_back(static_cast<int>(data & 0xFFFF));
-                    if (*failed < 0) *failed = extents[data >> 16].first;
+                    if (!later && *failed < 0) *failed = extents[data >> 16].first;
                 }
+                if (later) next -= static_cast<size_t>(batch - done);  // extents were handed out in order
                 break;
             }
             done += static_cast<int>(r);
