@@ -45,6 +45,8 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
     n = ids.numel()
     if n == 0:
         return
+    # The native launchers take a null table for an empty shard (they read no row of it).
+    table_ptr = table.data_ptr() if table.numel() else 0
     if backend == "torch":
         out.copy_(gather_dequant_ref(table, ids, lo, hi))
     elif backend == "triton":
@@ -55,7 +57,7 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
         with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
             gather_dequant_triton(table, ids, lo, hi, out)
     elif backend == "cpu":
-        native.load("cpu").gather(table.data_ptr(), ids.data_ptr(), ids.element_size(), n, lo, hi,
+        native.load("cpu").gather(table_ptr, ids.data_ptr(), ids.element_size(), n, lo, hi,
                                   out.data_ptr(), torch.get_num_threads())
     elif backend in ("cuda", "hip"):
         lib = native.load(backend)
@@ -63,7 +65,7 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
         target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
         with torch.cuda.device(ids.device):
             stream = torch.cuda.current_stream(ids.device).cuda_stream
-            lib.gather(table.data_ptr(), ids.data_ptr(), ids.element_size(), n, lo, hi, target.data_ptr(), stream)
+            lib.gather(table_ptr, ids.data_ptr(), ids.element_size(), n, lo, hi, target.data_ptr(), stream)
         if target is not out:
             out.copy_(target)
     else:
@@ -132,10 +134,13 @@ def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torc
     """
     if table.dtype != torch.uint8 or table.dim() != 2 or table.shape[1] != ROW_BYTES:
         raise ValueError(f"engram gather: table must be uint8 [R, {ROW_BYTES}], got {table.dtype} {tuple(table.shape)}")
-    if table.stride(1) != 1 or (table.shape[0] > 1 and table.stride(0) != ROW_BYTES):
+    # An empty table (a shard that holds none of a call's rows: torch gives it strides (0, 0)
+    # and any pointer) has no rows to be laid out or aligned; every id reads as +0.
+    empty = table.shape[0] == 0
+    if not empty and (table.stride(1) != 1 or (table.shape[0] > 1 and table.stride(0) != ROW_BYTES)):
         raise ValueError("engram gather: table rows must be contiguous (packed, 264 bytes apart)")
     # (Not while torch.compile traces: there is no pointer then; the launchers check again.)
-    if not torch.compiler.is_compiling() and table.data_ptr() % 8:
+    if not empty and not torch.compiler.is_compiling() and table.data_ptr() % 8:
         raise ValueError("engram gather: table must start 8-byte aligned (rows are read 8 bytes at a time)")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"engram gather: ids must be integers, got {ids.dtype}")
