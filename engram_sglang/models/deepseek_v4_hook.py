@@ -76,15 +76,24 @@ class StoreEngramEmbedding(nn.Module):
 
     def prefetch(self, indices: torch.Tensor) -> None:
         """Start the gather of this step's ids (a view of the step's hash ids)."""
+        self.release_pending()
         self._pending = (indices, self.store.prefetch(indices))
 
-    def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
+    def release_pending(self) -> None:
+        """Order a prefetch nobody will use before what comes next (see Prefetch.release)."""
         pending, self._pending = self._pending, None
-        if indices.shape[0] == 0:
-            return self.new_rows(indices)
-        if pending is not None and _same_view(pending[0], indices):
+        if pending is not None:
+            pending[1].release()
+
+    def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
+        pending = self._pending
+        if pending is not None and indices.shape[0] and _same_view(pending[0], indices):
+            self._pending = None
             rows = pending[1].wait()
         else:
+            self.release_pending()
+            if indices.shape[0] == 0:
+                return self.new_rows(indices)
             rows = self.store.gather(indices)
         if self.tp_size > 1:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
@@ -106,7 +115,7 @@ def prefetch_step(hash_ids: torch.Tensor) -> int:
     capturing = hash_ids.is_cuda and torch.cuda.is_current_stream_capturing()
     started = 0
     for emb in list(_EMBEDS):
-        emb._pending = None
+        emb.release_pending()
         if capturing or emb.hash_index is None or hash_ids.dim() != 3 or not hash_ids.shape[0]:
             continue
         if emb.hash_index < hash_ids.shape[1]:

@@ -81,7 +81,6 @@ class EngramRuntime:
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
                                  tp_size=tp_size, backend=settings.backend, **settings.store_options())
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
-        self._host_ids = any(s.needs_host_ids for s in self.stores.values())
         # Hash column -> the disk store (below a hot-row cache, if any) whose DRAM cache takes read-ahead.
         lower = {i: getattr(self.stores[L], "inner", self.stores[L]) for L, i in self.layer_index.items()}
         self._ahead = {i: s for i, s in lower.items() if getattr(s, "dram", None) is not None}
@@ -92,6 +91,7 @@ class EngramRuntime:
         self._layer_seconds, self._layer_calls = 0.0, 0
         self._stats_path = Path(settings.stats_file) if settings.stats_file else None
         self._stats_written = 0.0
+        self._open_step: Optional[EngramStep] = None
         if settings.debug:
             logger.warning("engram-sglang DEBUG controls on (%s): outputs are deliberately wrong",
                            ", ".join(settings.debug))
@@ -101,23 +101,33 @@ class EngramRuntime:
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
               input_ids: torch.Tensor, mode: str) -> EngramStep:
         """Issue every layer's gather for this step's hash ids [T, L, C]."""
+        self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
         if self.settings.prefetch and hash_ids.shape[0]:
-            # Stores that read on the host (disk) get the step's ids there in one copy,
-            # not one device-to-host copy per layer.
-            host_ids = hash_ids.cpu() if hash_ids.device.type != "cpu" and self._host_ids else None
+            # No host sync here: a store that reads on the host (disk) copies its column of
+            # ids to pinned memory on this stream and its worker waits for that copy's event.
             for L, i in self.layer_index.items():
-                store = self.stores[L]
-                ids = host_ids if host_ids is not None and store.needs_host_ids else hash_ids
-                handles[L] = store.prefetch(ids[:, i])
-        return EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
+                handles[L] = self.stores[L].prefetch(hash_ids[:, i])
+        step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
+        self._open_step = step
+        return step
+
+    @staticmethod
+    def _release(step: Optional[EngramStep]) -> None:
+        """Order every handle of `step` nobody waited on (a layer that did not run, an
+        exception) before the consumer stream's next work; see Prefetch.release."""
+        if step is None:
+            return
+        handles, step.handles = step.handles, {}
+        for handle in handles.values():
+            handle.release()
 
     def rows(self, step: EngramStep, layer_id: int) -> torch.Tensor:
         """bf16 rows [T, C, 256] of Engram layer `layer_id` for this step."""
         i = self.layer_index[layer_id]
         ids = step.hash_ids[:, i]
         t0 = time.perf_counter()
-        handle = step.handles.get(layer_id)
+        handle = step.handles.pop(layer_id, None)
         if "skip-wait" in self.settings.debug:
             # Negative control: read the row buffer before the gather has filled it.
             rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
@@ -140,6 +150,9 @@ class EngramRuntime:
 
     def end(self, step: EngramStep, engram_seconds: float, layer_seconds: float, layer_calls: int) -> None:
         """Account the step; write the trace line and (throttled) the stats file."""
+        self._release(step)
+        if self._open_step is step:
+            self._open_step = None
         now = time.perf_counter()
         with self._lock:
             self._steps += 1
@@ -199,6 +212,8 @@ class EngramRuntime:
         return [self.stores[L].describe() for L in self.cfg.layer_ids]
 
     def close(self) -> None:
+        self._release(self._open_step)
+        self._open_step = None
         for store in self.stores.values():
             store.close()
 

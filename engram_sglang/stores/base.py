@@ -7,16 +7,20 @@ whether the rows sit in device memory, registered host memory or a file is confi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
+from . import streams as streams_mod
+
+logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("device", "host", "disk")
 
@@ -42,20 +46,72 @@ def split_by_rows(total_bytes: int, held: dict[int, int]) -> dict[int, int]:
 
 
 class Prefetch:
-    """A gather in flight. `wait()` returns its bf16 rows (and re-raises its error)."""
+    """A gather in flight. The consumer calls `wait()` for its rows (re-raising the gather's
+    error), or `release()` when it will not use them. Every handle gets one of the two:
+    `release()` orders the gather's side-stream work before what the consumer's stream does
+    next (a dropped handle would leave it unordered with the next step, and a captured graph
+    with an unjoined stream). `Prefetch.dropped` counts handles collected without either.
 
-    def __init__(self, future: Optional[Future] = None, rows: Optional[torch.Tensor] = None,
-                 event: Optional["torch.cuda.Event"] = None):
-        self._future, self._rows, self._event = future, rows, event
+    Three kinds: `rows` + `event` (a side stream on a GPU: the consumer's stream waits on
+    the event, the host does not); `future` (a worker thread); `future` + `finish` (a worker
+    thread staged host data, `finish` copies and decodes it on the consumer's stream).
+    """
+
+    dropped = 0
+
+    def __init__(self, *, rows: Optional[torch.Tensor] = None, event=None, streams=None,
+                 future: Optional[Future] = None, finish: Optional[Callable] = None,
+                 discard: Optional[Callable] = None):
+        self._rows, self._event, self._streams = rows, event, streams
+        self._future, self._finish, self._discard = future, finish, discard
+        self._done = False
 
     def wait(self) -> torch.Tensor:
+        if self._done:
+            if self._rows is None:
+                raise EngramError("this prefetch was released; its rows are gone")
+            return self._rows
+        self._done = True
+        rows = self._rows
         if self._future is not None:
-            self._rows, self._future = self._future.result(), None
-        if self._event is not None:
-            # The consumer's stream waits for the side stream's gather; the host does not.
-            torch.cuda.current_stream().wait_event(self._event)
-            self._event = None
-        return self._rows
+            future, self._future = self._future, None
+            rows = future.result()
+        if self._finish is not None:
+            rows = self._finish(rows)  # on the consumer's stream
+        elif self._event is not None:
+            # The consumer's stream waits for the side stream's gather, and the allocator
+            # keeps the rows (made on the side stream) until the consumer's use is done.
+            current = self._streams.current()
+            self._streams.wait_event(current, self._event)
+            self._streams.record_stream(rows, current)
+        self._rows, self._event = rows, None
+        return rows
+
+    def release(self) -> None:
+        """Order the gather before the consumer stream's next work without using its rows."""
+        if self._done:
+            return
+        self._done = True
+        if self._future is not None:
+            future, self._future = self._future, None
+            try:
+                staged = future.result()
+            except Exception as e:  # noqa: BLE001 - nobody needs these rows; the error is not theirs
+                logger.debug("a released prefetch failed: %s", e)
+            else:
+                if self._discard is not None:
+                    self._discard(staged)
+        elif self._event is not None:
+            self._streams.wait_event(self._streams.current(), self._event)
+        self._rows = self._event = None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __del__(self):
+        if not self._done:
+            Prefetch.dropped += 1
 
 
 class TableStore(ABC):
@@ -87,6 +143,8 @@ class TableStore(ABC):
         self._seconds = 0.0
         self._executor: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
+        # The GPU's stream operations (None on the CPU); tests swap in a recording fake.
+        self._streams = streams_mod.for_device(self.device)
 
     # ------------------------------------------------------------------ the calls
     def gather(self, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -110,26 +168,40 @@ class TableStore(ABC):
         return result
 
     def prefetch(self, ids: torch.Tensor) -> Prefetch:
-        """Start a gather now; the consumer calls `.wait()` where it needs the rows.
+        """Start a gather now; the consumer calls `.wait()` where it needs the rows (or
+        `.release()` when it will not).
 
-        On a GPU the gather runs on a side stream and the consumer's stream waits on an
-        event (capturable in a graph when the placement needs no host work); on the CPU a
-        worker thread runs it.
+        On a GPU the gather runs on a side stream that first waits for the caller's stream
+        (where the ids were made) and the consumer's stream waits on an event: capturable in
+        a graph when the placement needs no host work. Stores whose ids must visit the host
+        (disk) read on a worker thread into pinned staging and copy/decode on the consumer's
+        stream (`_prefetch_host_ids`). On the CPU a worker thread runs the gather.
         """
-        if self.device.type == "cuda" and not self.needs_host_ids:
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=self.device)
-            main = torch.cuda.current_stream(self.device)
-            self._side_stream.wait_stream(main)
-            with torch.cuda.stream(self._side_stream):
-                rows = self.gather(ids)
-                event = torch.cuda.Event()
-                event.record()
-            rows.record_stream(main)
-            return Prefetch(rows=rows, event=event)
+        streams = self._streams
+        if streams is None:
+            return Prefetch(future=self._worker_thread().submit(self.gather, ids))
+        if self.needs_host_ids:
+            return self._prefetch_host_ids(ids, streams)
+        main = streams.current()
+        if self._side_stream is None:
+            self._side_stream = streams.new_stream()
+        side = self._side_stream
+        streams.wait_stream(side, main)
+        with streams.use(side):
+            rows = self.gather(ids)
+            event = streams.record_event(side)
+        streams.record_stream(ids, side)  # made on the caller's stream, read on the side stream
+        return Prefetch(rows=rows, event=event, streams=streams)
+
+    def _prefetch_host_ids(self, ids: torch.Tensor, streams) -> Prefetch:
+        """A host-reading store that cannot split its work into a host half and a stream
+        half gathers in the caller's thread, on its stream: ordered, not overlapped."""
+        return Prefetch(rows=self.gather(ids))
+
+    def _worker_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-l{self.layer_id}")
-        return Prefetch(future=self._executor.submit(self.gather, ids))
+        return self._executor
 
     # ------------------------------------------------------------- what placements add
     needs_host_ids = False  # True where the ids must visit the host (the disk tier)
