@@ -15,9 +15,24 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from .errors import EngramConfigError
+from .fileio import read_regular
 
 # The HF config.json keys, as DeepSeek-V4.1's `text_config` spells them.
 _KEY_PREFIX = "engram_"
+
+# Bounds on what a config may ask for, far above any real model (DeepSeek-V4.1-Flash: 2 Engram
+# layers, n-grams up to 4, 8 heads, 48 hash columns, vocab_size 16e6). The prime layout
+# restarts its search per (layer, order) and walks every prime taken before, so its cost
+# grows with the square of the columns: an absurd config would compute for minutes (or
+# size tables of petabytes) before anything could refuse it.
+MAX_LAYER_ID = (1 << 16) - 1
+MAX_ENGRAM_LAYERS = 64
+MAX_NGRAM_SIZE = 8
+MAX_HEADS = 64
+MAX_HASH_COLUMNS = 512  # Engram layers x (max_ngram_size - 1) x n_heads: primes to find
+MAX_VOCAB = 1 << 32  # vocab_size (where the prime search starts) and compressed_vocab_size
+MAX_HEAD_DIM = 1 << 16
+MAX_CONFIG_BYTES = 16 << 20  # a config.json larger than this is not a model config
 
 
 def configs_dir() -> Path:
@@ -64,24 +79,33 @@ class EngramConfig:
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not self.layer_ids or not all(is_int(i) and i >= 0 for i in self.layer_ids):
-            raise bad("layer_ids", "a non-empty list of layer indices >= 0", self.layer_ids)
+        if (not isinstance(self.layer_ids, tuple) or not self.layer_ids
+                or not all(is_int(i) and 0 <= i <= MAX_LAYER_ID for i in self.layer_ids)):
+            raise bad("layer_ids", f"a non-empty list of layer indices >= 0 (and <= {MAX_LAYER_ID})", self.layer_ids)
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise bad("layer_ids", "a list without repeats", self.layer_ids)
-        if not is_int(self.max_ngram_size) or self.max_ngram_size < 2:
-            raise bad("max_ngram_size", "an integer >= 2", self.max_ngram_size)
-        if not is_int(self.n_heads) or self.n_heads < 1:
-            raise bad("n_heads", "an integer >= 1", self.n_heads)
-        if not is_int(self.head_dim) or self.head_dim < 1:
-            raise bad("head_dim", "an integer >= 1", self.head_dim)
-        if not is_int(self.vocab_size) or self.vocab_size < 2:
-            raise bad("vocab_size", "an integer >= 2", self.vocab_size)
-        if not is_int(self.compressed_vocab_size) or self.compressed_vocab_size < 1:
-            raise bad("compressed_vocab_size", "an integer >= 1", self.compressed_vocab_size)
-        if not is_int(self.pad_token_id) or self.pad_token_id < 0:
-            raise bad("pad_token_id", "a token id >= 0", self.pad_token_id)
+        if len(self.layer_ids) > MAX_ENGRAM_LAYERS:
+            raise bad("layer_ids", f"at most {MAX_ENGRAM_LAYERS} layers", f"{len(self.layer_ids)} layers")
+        if not is_int(self.max_ngram_size) or not 2 <= self.max_ngram_size <= MAX_NGRAM_SIZE:
+            raise bad("max_ngram_size", f"an integer >= 2 (and <= {MAX_NGRAM_SIZE})", self.max_ngram_size)
+        if not is_int(self.n_heads) or not 1 <= self.n_heads <= MAX_HEADS:
+            raise bad("n_heads", f"an integer >= 1 (and <= {MAX_HEADS})", self.n_heads)
+        columns = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_heads
+        if columns > MAX_HASH_COLUMNS:
+            raise EngramConfigError(
+                f"{self.source}: {len(self.layer_ids)} Engram layers x {self.max_ngram_size - 1} n-gram orders x "
+                f"{self.n_heads} heads = {columns} hash columns; at most {MAX_HASH_COLUMNS} are supported"
+            )
+        if not is_int(self.head_dim) or not 1 <= self.head_dim <= MAX_HEAD_DIM:
+            raise bad("head_dim", f"an integer >= 1 (and <= {MAX_HEAD_DIM})", self.head_dim)
+        if not is_int(self.vocab_size) or not 2 <= self.vocab_size <= MAX_VOCAB:
+            raise bad("vocab_size", "an integer >= 2 (and <= 2^32)", self.vocab_size)
+        if not is_int(self.compressed_vocab_size) or not 1 <= self.compressed_vocab_size <= MAX_VOCAB:
+            raise bad("compressed_vocab_size", "an integer >= 1 (and <= 2^32)", self.compressed_vocab_size)
+        if not is_int(self.pad_token_id) or not 0 <= self.pad_token_id < MAX_VOCAB:
+            raise bad("pad_token_id", "a token id >= 0 (and < 2^32)", self.pad_token_id)
         if self.num_embeddings is not None:
-            if len(self.num_embeddings) != len(self.layer_ids) or not all(
+            if not isinstance(self.num_embeddings, tuple) or len(self.num_embeddings) != len(self.layer_ids) or not all(
                 is_int(r) and r > 0 for r in self.num_embeddings
             ):
                 raise bad(
@@ -89,10 +113,10 @@ class EngramConfig:
                     f"{len(self.layer_ids)} positive row counts (one per layer id)",
                     self.num_embeddings,
                 )
-        if self.hidden_size is not None and (not is_int(self.hidden_size) or self.hidden_size < 1):
-            raise EngramConfigError(f"{self.source}: hidden_size must be >= 1, got {self.hidden_size!r}")
-        if not is_int(self.hc_mult) or self.hc_mult < 1:
-            raise EngramConfigError(f"{self.source}: hc_mult must be >= 1, got {self.hc_mult!r}")
+        if self.hidden_size is not None and (not is_int(self.hidden_size) or not 1 <= self.hidden_size <= 1 << 20):
+            raise EngramConfigError(f"{self.source}: hidden_size must be >= 1 (and <= 2^20), got {self.hidden_size!r}")
+        if not is_int(self.hc_mult) or not 1 <= self.hc_mult <= 64:
+            raise EngramConfigError(f"{self.source}: hc_mult must be >= 1 (and <= 64), got {self.hc_mult!r}")
 
     # ----------------------------------------------------------------- derived facts
     @property
@@ -169,11 +193,13 @@ class EngramConfig:
     def from_file(cls, path: str | os.PathLike) -> "EngramConfig":
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_regular(path, MAX_CONFIG_BYTES, EngramConfigError, "config file"))
         except FileNotFoundError:
             raise EngramConfigError(f"{path}: no such config file") from None
         except json.JSONDecodeError as e:
             raise EngramConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise EngramConfigError(f"{path}: not a JSON text ({type(e).__name__})") from None
         if not isinstance(data, Mapping):
             raise EngramConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
         return cls.from_dict(data, source=str(path))

@@ -46,8 +46,19 @@ GOOD = EngramConfig.from_preset("deepseek-v4.1-flash").hash_fields()
         ("engram_layer_ids", [], "engram_layer_ids must be a non-empty list"),
         ("engram_layer_ids", [1, 1], "without repeats"),
         ("engram_layer_ids", [-1], "layer indices >= 0"),
-        ("engram_max_ngram_size", 1, "engram_max_ngram_size must be an integer >= 2, got 1"),
-        ("engram_max_ngram_size", "4", "engram_max_ngram_size must be an integer >= 2, got '4'"),
+        ("engram_max_ngram_size", 1, r"engram_max_ngram_size must be an integer >= 2 \(and <= 8\), got 1"),
+        ("engram_max_ngram_size", "4", r"engram_max_ngram_size must be an integer >= 2 \(and <= 8\), got '4'"),
+        # Bounds far above any real model, checked before any prime search or allocation.
+        ("engram_max_ngram_size", 10**6, r"engram_max_ngram_size must be an integer >= 2 \(and <= 8\), got 1000000"),
+        ("engram_n_heads", 10**9, r"engram_n_heads must be an integer >= 1 \(and <= 64\)"),
+        ("engram_layer_ids", list(range(1000)), "at most 64 layers, got '1000 layers'"),
+        ("engram_layer_ids", [2**40], r"layer indices >= 0 \(and <= 65535\)"),
+        ("engram_layer_ids", list(range(30)), "30 Engram layers x 3 n-gram orders x 8 heads = 720 hash columns; at most 512"),
+        ("engram_vocab_size", 10**30, r"engram_vocab_size must be an integer >= 2 \(and <= 2\^32\)"),
+        ("engram_compressed_vocab_size", 2**40, r"engram_compressed_vocab_size must be an integer >= 1 \(and <= 2\^32\)"),
+        ("engram_head_dim", float("inf"), "engram_head_dim must be an integer >= 1"),
+        ("engram_num_embeddings", 5, "engram_num_embeddings must be 2 positive row counts"),
+        ("engram_layer_ids", {"1": 1}, "engram_layer_ids must be a non-empty list"),
         ("engram_n_heads", 0, "engram_n_heads must be an integer >= 1"),
         ("engram_head_dim", True, "engram_head_dim must be an integer >= 1"),
         ("engram_vocab_size", 1, "engram_vocab_size must be an integer >= 2"),
@@ -75,3 +86,25 @@ def test_missing_fields_and_files(tmp_path):
         EngramConfig.from_pretrained(tmp_path)
     with pytest.raises(EngramConfigError, match="unknown preset 'nope'; known presets: .*deepseek-v4.1-flash"):
         EngramConfig.from_preset("nope")
+
+
+def test_config_file_that_is_a_fifo_directory_or_binary_gets_one_line(tmp_path):
+    """Never a hang (a FIFO waits for a writer), never a traceback."""
+    import os
+
+    fifo = tmp_path / "fifo" / "config.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    with pytest.raises(EngramConfigError, match="config.json: the config file is a FIFO, not a regular file"):
+        EngramConfig.from_pretrained(fifo.parent)
+    with pytest.raises(EngramConfigError, match="config file is a FIFO"):
+        EngramConfig.resolve(str(fifo))
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    with pytest.raises(EngramConfigError, match="config.json: the config file is a directory"):
+        EngramConfig.from_pretrained(tmp_path / "dir")
+    (tmp_path / "config.json").write_bytes(b'{"a": "\xff\xfe"}')
+    with pytest.raises(EngramConfigError, match=r"config.json: not a JSON text \(UnicodeDecodeError\)"):
+        EngramConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(EngramConfigError, match="config.json: not a JSON text"):
+        EngramConfig.from_pretrained(tmp_path)
