@@ -23,11 +23,16 @@ _failed_once = False
 
 
 def patch_scheduler(module) -> None:
-    """Wrap `Scheduler.run_batch` of sglang.srt.managers.scheduler."""
+    """Wrap `Scheduler.run_batch` of sglang.srt.managers.scheduler: read the next chunk
+    ahead before the batch runs; after it, abort the requests whose rows could not be read
+    (serving/faults.py)."""
+    from .faults import abort_failed_requests
 
     def run_batch(original, self, batch, *args, **kwargs):
         read_ahead_next_chunk(self, batch)
-        return original(self, batch, *args, **kwargs)
+        result = original(self, batch, *args, **kwargs)
+        abort_failed_requests(self, batch)
+        return result
 
     wrap_method(module.Scheduler, "run_batch", run_batch)
 

@@ -20,11 +20,14 @@ import weakref
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..config import EngramConfig
 from ..errors import EngramError
 from ..rowformat import bf16_bits
+from ..stores import maintenance
+from ..stores.base import TableIOError
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -92,10 +95,13 @@ class EngramRuntime:
         self._stats_path = Path(settings.stats_file) if settings.stats_file else None
         self._stats_written = 0.0
         self._open_step: Optional[EngramStep] = None
+        self._failed: dict[int, str] = {}  # request slot -> why its rows could not be read
+        self._faults = 0
         if settings.debug:
             logger.warning("engram-sglang DEBUG controls on (%s): outputs are deliberately wrong",
                            ", ".join(settings.debug))
         _RUNTIMES.add(self)
+        maintenance.register(self, last=True)  # the stats file, after the stores' maintenance
 
     # ------------------------------------------------------------------ per step
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
@@ -128,16 +134,19 @@ class EngramRuntime:
         ids = step.hash_ids[:, i]
         t0 = time.perf_counter()
         handle = step.handles.pop(layer_id, None)
-        if "skip-wait" in self.settings.debug:
-            # Negative control: read the row buffer before the gather has filled it.
-            rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
-            if handle is not None:
-                handle.wait()
-        elif handle is not None:
-            rows = handle.wait()
-        else:
-            rows = self.stores[layer_id].gather(ids) if ids.shape[0] else torch.zeros(
-                *ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+        try:
+            if "skip-wait" in self.settings.debug:
+                # Negative control: read the row buffer before the gather has filled it.
+                rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+                if handle is not None:
+                    handle.wait()
+            elif handle is not None:
+                rows = handle.wait()
+            else:
+                rows = self.stores[layer_id].gather(ids) if ids.shape[0] else torch.zeros(
+                    *ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+        except TableIOError as fault:
+            rows = self._contain(step, layer_id, ids, fault)
         step.wait_seconds += time.perf_counter() - t0
         if self.tp_size > 1:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
@@ -149,7 +158,7 @@ class EngramRuntime:
         return rows
 
     def end(self, step: EngramStep, engram_seconds: float, layer_seconds: float, layer_calls: int) -> None:
-        """Account the step; write the trace line and (throttled) the stats file."""
+        """Account the step; write the trace line. (The stats file is written between steps.)"""
         self._release(step)
         if self._open_step is step:
             self._open_step = None
@@ -164,9 +173,45 @@ class EngramRuntime:
             self._layer_calls += layer_calls
         if self._trace is not None and self.tp_rank == 0 and step.hash_ids.shape[0]:
             self._trace.write(step, self.cfg.layer_ids)
+
+    def between_steps(self, step: int) -> None:
+        """Once per forward step, outside any graph (stores/maintenance.py): the stats file,
+        at most every 0.2 s (the statistics read device counters: a host sync, which inside
+        the forward would break a graph capture and count captures instead of replays)."""
+        now = time.perf_counter()
         if self._stats_path is not None and now - self._stats_written > 0.2:
             self._stats_written = now
             self.write_stats()
+
+    def _contain(self, step: EngramStep, layer_id: int, ids: torch.Tensor, fault: TableIOError) -> torch.Tensor:
+        """A read that failed after its retries fails only the requests whose tokens needed
+        a failed row: their request slots are kept for the scheduler, which aborts them
+        after this batch (serving/faults.py); every other token gets its exact rows. A call
+        that failed as a whole (e.g. a file truncated under the store) fails the step's
+        requests. The failed rows are +0 for the rest of this forward, never served."""
+        rows = getattr(fault, "rows", None)
+        if rows is None:
+            bad = torch.ones(ids.shape[0], dtype=torch.bool)
+            rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
+        else:
+            flat = ids.reshape(ids.shape[0], -1).cpu().numpy()
+            bad = torch.from_numpy(np.isin(flat, fault.failed_ids).any(-1))
+        slots = sorted(set(step.token_req.cpu()[bad].tolist()))
+        message = f"engram layer {layer_id}: {fault}"
+        with self._lock:
+            for slot in slots:
+                self._failed.setdefault(int(slot), message)
+            self._faults += 1
+        logger.error("engram-sglang: %s; failing the %d request(s) that needed those rows, serving the rest",
+                     message, len(slots))
+        return rows
+
+    def take_failed_requests(self) -> dict[int, str]:
+        """Request slots (req_pool_idx) whose tokens needed rows that could not be read
+        since the last call, with the reason; the scheduler aborts them."""
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
 
     # ------------------------------------------------------------------ read-ahead
     @property
@@ -197,6 +242,7 @@ class EngramRuntime:
                 "engram_seconds_per_step": self._engram_seconds / steps,
                 "wait_seconds_per_step": self._wait_seconds / steps,
                 "layer_seconds": self._layer_seconds / max(self._layer_calls, 1),
+                "read_faults": self._faults,
             }
         out["tables"] = [self.stores[L].stats() for L in self.cfg.layer_ids]
         return out
@@ -212,6 +258,7 @@ class EngramRuntime:
         return [self.stores[L].describe() for L in self.cfg.layer_ids]
 
     def close(self) -> None:
+        maintenance.unregister(self)
         self._release(self._open_step)
         self._open_step = None
         for store in self.stores.values():

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
+from . import maintenance
 from . import streams as streams_mod
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,21 @@ PLACEMENTS = ("device", "host", "disk")
 
 class TableIOError(EngramError, OSError):
     """Reading rows failed after retries; raised for that call only, the store keeps serving."""
+
+
+class TableReadFault(TableIOError):
+    """Some rows of a call could not be read after retries; every other row was.
+
+    failed_ids : sorted global row ids that failed (their rows are +0 in `packed`/`rows`).
+    packed : uint8 [n, 264] the call's packed rows (set by the tier that read them).
+    rows : the call's bf16 rows (set by the store that decoded them): exact for every id
+        not in `failed_ids`, so a caller can finish the batch and fail only the requests
+        whose tokens needed a failed row (never serve those rows as if they were real).
+    """
+
+    def __init__(self, message: str, *, failed_ids, errno_: int = 0, packed=None, rows=None):
+        super().__init__(message)
+        self.failed_ids, self.errno_, self.packed, self.rows = failed_ids, errno_, packed, rows
 
 
 def shard_range(rows: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -137,14 +153,19 @@ class TableStore(ABC):
         # Resolved once (the probe logs its choice once); an explicit backend that cannot run raises here.
         self.backend = probe.select_backend(self.device, backend).backend
         self._lock = threading.Lock()
-        self._served_rows = 0
+        # Calls and rows served, counted on the device (in place, by the gather itself) so
+        # that a replayed CUDA graph counts like an eager call; read between steps only.
+        self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._published_rows = 0  # rows already added to the Prometheus counter
+        # Host-side figures: distinct rows read (stores that read on the host, which are
+        # never captured) and host seconds of eager calls.
         self._unique_rows = 0
-        self._calls = 0
         self._seconds = 0.0
         self._executor: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
         # The GPU's stream operations (None on the CPU); tests swap in a recording fake.
         self._streams = streams_mod.for_device(self.device)
+        maintenance.register(self)
 
     # ------------------------------------------------------------------ the calls
     def gather(self, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -155,9 +176,9 @@ class TableStore(ABC):
             raise EngramError(
                 f"layer {self.layer_id}: out must be bf16 {(*ids.shape, PAYLOAD_BYTES)}, got {out.dtype} {tuple(out.shape)}"
             )
-        if ids.device.type == "cpu" and ids.numel():
-            # Device ids are not checked here (a host sync); the kernels read out-of-range
-            # ids as zero rows, never out-of-bounds memory.
+        if ids.device.type == "cpu" and ids.numel() and not maintenance.capturing():
+            # Device ids are not checked here (a host sync), nor inside a capture; the
+            # kernels read out-of-range ids as zero rows, never out-of-bounds memory.
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.rows:
                 bad = lo if lo < 0 else hi
@@ -216,23 +237,57 @@ class TableStore(ABC):
         """Bytes of this layer this store holds in memory (device or host)."""
 
     def _account(self, n: int, seconds: float, unique: Optional[int] = None) -> None:
+        """One call served: calls and rows on the device, in place (a replay counts too);
+        the host figures of eager calls (a replay runs no Python)."""
+        self._counts[0].add_(1)
+        self._counts[1].add_(n)
+        if maintenance.capturing():
+            return
         with self._lock:
-            self._calls += 1
-            self._served_rows += n
             self._unique_rows += n if unique is None else unique
             self._seconds += seconds
 
+    def counts(self) -> tuple[int, int]:
+        """(calls, rows served) so far, replays included: a host sync, between steps only."""
+        if maintenance.capturing():
+            raise EngramError(f"layer {self.layer_id}: store counters are device values (a host sync): read them "
+                              "between steps, not inside a CUDA-graph capture")
+        calls, rows = self._counts.tolist()
+        return calls, rows
+
+    # ------------------------------------------------------- between steps
+    maintain_every = maintenance.DEFAULT_EVERY  # steps between two maintenances; 0: only when called
+
+    def between_steps(self, step: int) -> None:
+        """Called by `maintenance.between_steps()` once per forward step, outside any graph."""
+        if self.maintain_every and step % self.maintain_every == 0:
+            self.maintain()
+
+    def maintain(self) -> int:
+        """Host work between steps (a sync): the rows served since the last call go to the
+        Prometheus counter. Stores that read on the host count there per call instead.
+        Returns the rows admitted into a cache (none here)."""
+        if not self.needs_host_ids:
+            from .metrics import METRICS
+
+            rows = self.counts()[1]
+            METRICS.served(self, rows - self._published_rows)
+            self._published_rows = rows
+        return 0
+
     def stats(self) -> dict:
+        calls, rows = self.counts()
         with self._lock:
+            unique = self._unique_rows if self.needs_host_ids else rows
             return {
                 "layer_id": self.layer_id,
                 "placement": self.placement,
                 "backend": self.backend,
-                "calls": self._calls,
-                "rows_served": self._served_rows,
-                "bytes_served": self._served_rows * ROW_BYTES,
-                "unique_rows": self._unique_rows,
-                "unique_ratio": self._unique_rows / self._served_rows if self._served_rows else 1.0,
+                "calls": calls,
+                "rows_served": rows,
+                "bytes_served": rows * ROW_BYTES,
+                "unique_rows": unique,
+                "unique_ratio": unique / rows if rows else 1.0,
                 "gather_seconds": self._seconds,
                 "row_range": list(self.row_range),
                 "resident_bytes": self.resident_bytes,
@@ -246,6 +301,7 @@ class TableStore(ABC):
         )
 
     def close(self) -> None:
+        maintenance.unregister(self)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
