@@ -13,6 +13,7 @@ from ..errors import EngramError
 from ..tablefile import open_tables
 from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
+from .metrics import METRICS
 from .placements import DeviceStore, DiskStore, HostStore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def open_store(
         allowed = ", ".join(sorted(_OPTIONS[placement])) or "none"
         raise EngramError(f"placement {placement} has no option(s) {', '.join(sorted(unknown))} (options: {allowed})")
     tables = open_tables(table_dir, cfg)
+    METRICS.get()  # the stores' Prometheus collectors register here, once per process
     if placement == "host":
         options.setdefault("fingerprint", tables.fingerprint)
     dram = split_by_rows(options.pop("dram_cache_bytes", 0),

@@ -47,11 +47,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge
 
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
 from .base import TableStore, split_by_rows
+from .metrics import Lazy
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +376,8 @@ class _CacheMetrics:
     (counting them per call would sync the host, and a replayed graph runs no Python)."""
 
     def __init__(self):
+        from prometheus_client import Counter, Gauge  # registered when the first cache opens
+
         labels = ("layer", "placement")
         self.reads = Counter("engram_cache_reads", "Row reads looked up in the hot-row cache", labels)
         self.hits = Counter("engram_cache_hits", "Row reads the hot-row cache served", labels)
@@ -409,7 +411,7 @@ class _CacheMetrics:
         self.hit_rate.labels(**lab).set(d.hits / d.reads if d.reads else 0.0)
 
 
-CACHE_METRICS = _CacheMetrics()
+CACHE_METRICS: Lazy[_CacheMetrics] = Lazy(_CacheMetrics)
 
 
 # ------------------------------------------------------------------------ store

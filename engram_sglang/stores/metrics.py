@@ -1,20 +1,56 @@
 """Prometheus metrics of the table stores (served by SGLang's /metrics when it is enabled).
 
 prometheus_client's default registry is the one SGLang exports, so these appear next to
-SGLang's own metrics without extra wiring.
+SGLang's own metrics without extra wiring. The collectors are created when the first store
+opens, not when this module is imported: SGLang processes that never open a table (the
+detokenizer, a process that only imports the package) register nothing, and the registry
+sees each collector exactly once per process.
 """
 
 from __future__ import annotations
 
 import functools
-
-from prometheus_client import Counter, Gauge, Histogram
+import threading
+from typing import Callable, Generic, TypeVar
 
 from ..rowformat import ROW_BYTES
+
+T = TypeVar("T")
+
+
+class Lazy(Generic[T]):
+    """`factory()` built on first use, once per process (thread-safe); attributes forward to it.
+
+    `get()` builds it explicitly (open_store does, so metrics exist from the moment a store
+    opens); any attribute access builds it too, so a store made without open_store still counts.
+    """
+
+    def __init__(self, factory: Callable[[], T]):
+        self._factory = factory
+        self._value: T | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        value = self._value
+        if value is None:
+            with self._lock:
+                if self._value is None:
+                    self._value = self._factory()
+                value = self._value
+        return value
+
+    @property
+    def built(self) -> bool:
+        return self._value is not None
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
 
 
 class _StoreMetrics:
     def __init__(self):
+        from prometheus_client import Counter, Gauge, Histogram
+
         labels = ("layer", "placement")
         self.rows = Counter("engram_rows_served", "Rows returned to the model", labels)
         self.bytes = Counter("engram_bytes_served", "Packed bytes of the rows returned", labels)
@@ -59,4 +95,4 @@ class _StoreMetrics:
         self.registered.labels(**lab).set(store.resident_bytes if store.memory.registered else 0)
 
 
-METRICS = _StoreMetrics()
+METRICS: Lazy[_StoreMetrics] = Lazy(_StoreMetrics)
