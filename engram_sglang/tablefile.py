@@ -4,16 +4,24 @@
     DIR/layer-{L}.rows     a 4 KiB header page, then rows end to end (data page-aligned)
 
 Written once (convert from a checkpoint, or the demo's generator), streamed chunk by chunk
-so memory does not grow with the table, each file under a temporary name renamed into
-place, the manifest last: a directory with a manifest is complete. Opened read-only as
-memory maps after every size and fingerprint check; `verify_tables` re-reads the checksums.
+so memory does not grow with the table, into a fresh directory beside the target that is
+checked, then swapped in whole: a failed write leaves the old directory as it was, and of
+two writers into one directory the later swap wins with a complete directory of its own.
+Opened read-only as memory maps after every size, layout and fingerprint check of manifest
+and headers (nothing in them is trusted: a manifest may be edited, truncated, or name a
+FIFO); `verify_tables` re-reads the checksums.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
+import re
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional, Union
@@ -24,7 +32,8 @@ import xxhash
 from tqdm.auto import tqdm
 
 from .config import EngramConfig
-from .errors import TableFormatError
+from .errors import EngramConfigError, TableFormatError
+from .fileio import inside, open_regular, read_regular
 from .hashing import EngramLayout
 from .rowformat import PAYLOAD_BYTES, ROW_BYTES, SCALE_BYTES, pack
 
@@ -35,6 +44,8 @@ DATA_OFFSET = 4096  # header page; rows start page-aligned
 CHUNK_ROWS = 1 << 18  # rows per checksum (~66 MiB): a verify error names a small range
 _MAGIC = b"ENGRAMRW"
 _HEADER = struct.Struct("<8sII")  # magic, format version, header JSON length
+MAX_MANIFEST_BYTES = 16 << 20  # DeepSeek-V4.1's manifest is ~60 KB (a checksum per 2^18 rows)
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
 
 RowSource = Union[np.ndarray, torch.Tensor, Iterable[Union[np.ndarray, torch.Tensor]]]
 
@@ -99,14 +110,35 @@ def write_tables(
     missing = [L for L in cfg.layer_ids if L not in rows_by_layer]
     if missing:
         raise TableFormatError(f"write_tables: no rows given for Engram layer(s) {missing} of {cfg.source}")
-    out.mkdir(parents=True, exist_ok=True)
-    # A stale manifest would vouch for files being rewritten: drop it first.
-    (out / MANIFEST).unlink(missing_ok=True)
+    if not _is_count(chunk_rows):
+        raise TableFormatError(f"write_tables: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    # Beside the real target (a symlink's), so the final swap is a rename on one filesystem.
+    target = Path(os.path.realpath(out))
+    _check_target(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-{os.getpid()}-", dir=target.parent))
+    except OSError as e:
+        raise TableFormatError(f"{out}: cannot create a table directory there ({e.strerror})") from None
+    try:
+        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, progress)
+        open_tables(work, cfg)  # what was written must open before it replaces anything
+        _swap_in(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress) -> None:
     layers = []
     for layer_id in cfg.layer_ids:
         expected = layout.rows(layer_id)
         path = out / layer_file_name(layer_id)
-        checksums = _write_layer(path, layer_id, cfg, expected, rows_by_layer[layer_id], chunk_rows, progress)
+        try:
+            checksums = _write_layer(path, layer_id, cfg, expected, rows_by_layer[layer_id], chunk_rows, progress)
+        except OSError as e:  # a full disk, a quota
+            raise TableFormatError(f"{path}: cannot write the layer file ({e.strerror or e})") from None
         layers.append({"layer_id": layer_id, "file": path.name, "rows": expected, "checksums": checksums})
     manifest = {
         "format": FORMAT,
@@ -121,8 +153,89 @@ def write_tables(
         "config": {**cfg.hash_fields(), "engram_num_embeddings": list(layout.num_embeddings)},
         "layers": layers,
     }
-    _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
-    return out
+    try:
+        _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(out)
+    except OSError as e:
+        raise TableFormatError(f"{out / MANIFEST}: cannot write the manifest ({e.strerror or e})") from None
+
+
+def _is_table_entry(name: str) -> bool:
+    return name == MANIFEST or re.fullmatch(r"layer-\d+\.rows(\.tmp)?|manifest\.json\.tmp", name) is not None
+
+
+def _check_target(target: Path) -> None:
+    """A directory may be replaced only if it holds nothing but a table (or nothing)."""
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir():
+        raise TableFormatError(f"{target}: exists and is not a directory; give a table directory to write")
+    try:
+        others = sorted(n for n in os.listdir(target) if not _is_table_entry(n))
+    except OSError as e:
+        raise TableFormatError(f"{target}: cannot list it ({e.strerror})") from None
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise TableFormatError(
+            f"{target}: holds files that are not a table's ({shown}); not replacing it: "
+            f"remove them or write to another directory"
+        )
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot; rename instead
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(work: Path, target: Path) -> None:
+    """Replace `target` by the complete directory `work` (same parent). Under a lock on the
+    parent, so two writers swap one after the other and the later one's directory stays
+    whole; readers see the old directory or the new one (an exchange where the filesystem
+    has it; else the old one is renamed aside first, a moment without either)."""
+    _fsync_dir(work)
+    lock = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _check_target(target)  # again: another writer may have put something there meanwhile
+        try:
+            if not os.path.lexists(target):
+                os.rename(work, target)
+            elif _exchange(work, target):
+                pass  # `work` now holds the old directory
+            else:
+                aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
+                os.rename(target, aside / "old")
+                os.rename(work, target)
+                work.mkdir()  # the caller's clean-up removes `work`: let it hold the old one
+                os.rename(aside / "old", work / "old")
+                aside.rmdir()
+        except OSError as e:
+            raise TableFormatError(f"{target}: cannot put the written tables in place ({e.strerror})") from None
+        _fsync_dir(target.parent)
+    finally:
+        os.close(lock)  # releases the lock
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _chunks_of(source: RowSource, chunk_rows: int) -> Iterator[np.ndarray]:
@@ -195,39 +308,124 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 # ---------------------------------------------------------------------------- open
 def read_manifest(table_dir: str | os.PathLike) -> tuple[dict, dict[int, LayerInfo]]:
+    """The manifest of a table directory, every field checked (types, the config block
+    against its fingerprint, each layer's rows against that config's layout, file names);
+    returns (manifest, layer id -> LayerInfo)."""
     root = Path(table_dir)
     mpath = root / MANIFEST
     if not root.is_dir():
         raise TableFormatError(f"{root}: table directory does not exist")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(read_regular(mpath, MAX_MANIFEST_BYTES, TableFormatError, "manifest"))
     except FileNotFoundError:
         raise TableFormatError(f"{mpath}: missing (not a table directory, or its writing did not finish)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TableFormatError(f"{mpath}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TableFormatError(f"{mpath}: not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise TableFormatError(f"{mpath}: not an engram-sglang table manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest.get("version") != VERSION:
+    if not _same_int(manifest.get("version"), VERSION):
         raise TableFormatError(f"{mpath}: format version {manifest.get('version')!r}, this engram-sglang reads version {VERSION}")
-    if manifest.get("row_bytes") != ROW_BYTES:
-        raise TableFormatError(f"{mpath}: row_bytes expected {ROW_BYTES}, found {manifest.get('row_bytes')!r}")
-    if manifest.get("data_offset") != DATA_OFFSET:
-        raise TableFormatError(f"{mpath}: data_offset expected {DATA_OFFSET}, found {manifest.get('data_offset')!r}")
+    for key, want in (("row_bytes", ROW_BYTES), ("payload_bytes", PAYLOAD_BYTES), ("scale_bytes", SCALE_BYTES),
+                      ("data_offset", DATA_OFFSET)):
+        if not _same_int(manifest.get(key), want):
+            raise TableFormatError(f"{mpath}: {key} expected {want}, found {manifest.get(key)!r}")
+    if manifest.get("checksum") != "xxh3_64":
+        raise TableFormatError(f"{mpath}: checksum expected 'xxh3_64', found {manifest.get('checksum')!r}")
+    chunk_rows = manifest.get("chunk_rows")
+    if not _is_count(chunk_rows):
+        raise TableFormatError(f"{mpath}: chunk_rows must be an integer >= 1, found {chunk_rows!r}")
     try:
-        layers = {
-            int(e["layer_id"]): LayerInfo(int(e["layer_id"]), root / e["file"], int(e["rows"]), tuple(e["checksums"]))
-            for e in manifest["layers"]
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise TableFormatError(f"{mpath}: malformed layers entry ({e!r})") from None
+        cfg = _manifest_config(manifest, mpath)
+        layout = EngramLayout(cfg)
+    except EngramConfigError as e:  # the block names the manifest; one error class for a bad table dir
+        raise TableFormatError(str(e)) from None
+    entries = manifest.get("layers")
+    if not isinstance(entries, list) or not entries:
+        raise TableFormatError(f"{mpath}: layers must be a non-empty list, found {_short(entries)}")
+    layers: dict[int, LayerInfo] = {}
+    for i, e in enumerate(entries):
+        info = _layer_entry(e, i, root, mpath, chunk_rows)
+        if info.layer_id in layers:
+            raise TableFormatError(f"{mpath}: layer {info.layer_id} is listed twice")
+        layers[info.layer_id] = info
+    if sorted(layers) != sorted(cfg.layer_ids):
+        raise TableFormatError(f"{mpath}: lists layers {sorted(layers)}, its config block has {sorted(cfg.layer_ids)}")
+    _check_rows(layers, layout, mpath, "its own config block")
     return manifest, layers
+
+
+def _same_int(v, want: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v == want
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _manifest_config(manifest: dict, mpath: Path) -> EngramConfig:
+    """The manifest's config block, which must hash to the fingerprint stated beside it."""
+    fp, block = manifest.get("config_fingerprint"), manifest.get("config")
+    if not isinstance(fp, str):
+        raise TableFormatError(f"{mpath}: config_fingerprint must be a string, found {_short(fp)}")
+    if not isinstance(block, dict):
+        raise TableFormatError(f"{mpath}: config must be an object of engram_* fields, found {_short(block)}")
+    cfg = EngramConfig.from_dict(block, source=f"{mpath} (config block)")
+    if cfg.fingerprint() != fp:
+        raise TableFormatError(
+            f"{mpath}: the config block's fingerprint is {cfg.fingerprint()}, config_fingerprint says {fp} "
+            f"(the manifest was edited or is corrupt); convert the tables again"
+        )
+    return cfg
+
+
+def _layer_entry(e, i: int, root: Path, mpath: Path, chunk_rows: int) -> LayerInfo:
+    if not isinstance(e, dict):
+        raise TableFormatError(f"{mpath}: layers[{i}] must be an object, found {_short(e)}")
+    layer_id, name, rows, sums = e.get("layer_id"), e.get("file"), e.get("rows"), e.get("checksums")
+    if not isinstance(layer_id, int) or isinstance(layer_id, bool) or layer_id < 0:
+        raise TableFormatError(f"{mpath}: layers[{i}].layer_id must be an integer >= 0, found {_short(layer_id)}")
+    where = f"{mpath}: layer {layer_id}"
+    if not _is_count(rows):
+        raise TableFormatError(f"{where}: rows must be an integer >= 1, found {_short(rows)}")
+    # A plain name: the manifest may only point at files of its own directory.
+    if (not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", "..")):
+        raise TableFormatError(f"{where}: file must be a plain file name inside {root}, found {_short(name)}")
+    path = root / name
+    if os.path.lexists(path) and not inside(root, path):
+        raise TableFormatError(f"{where}: file {name} is a symlink leading out of {root} (to {os.path.realpath(path)})")
+    n_chunks = -(-rows // chunk_rows)
+    if not isinstance(sums, list) or len(sums) != n_chunks:
+        found = f"{len(sums)}" if isinstance(sums, list) else _short(sums)
+        raise TableFormatError(
+            f"{where}: checksums must list {n_chunks} ({rows} rows in chunks of {chunk_rows}), found {found}"
+        )
+    for k, c in enumerate(sums):
+        if not isinstance(c, str) or not _CHECKSUM.fullmatch(c):
+            raise TableFormatError(f"{where}: checksums[{k}] must be 16 hex digits (xxh3_64), found {_short(c)}")
+    return LayerInfo(layer_id, path, rows, tuple(sums))
+
+
+def _check_rows(layers: Mapping[int, LayerInfo], layout: EngramLayout, mpath: Path, whose: str) -> None:
+    for layer_id, info in sorted(layers.items()):
+        want = layout.rows(layer_id)
+        if info.rows != want:
+            raise TableFormatError(
+                f"{mpath}: layer {layer_id} has {info.rows} rows, the layout of {whose} has {want}; "
+                f"these tables do not belong to that config (convert them again)"
+            )
 
 
 def open_tables(table_dir: str | os.PathLike, cfg: Optional[EngramConfig] = None) -> Tables:
     """Check a table directory and map every layer file read-only.
 
-    With `cfg`, the tables must have been built for that config (same fingerprint).
-    Raises TableFormatError with one line naming the file and the expected vs found value.
+    With `cfg`, the tables must have been built for that config (same fingerprint, its
+    layers, and its layout's row count for each). Raises TableFormatError with one line
+    naming the file and the expected vs found value.
     """
     root = Path(table_dir)
     manifest, layers = read_manifest(root)
@@ -242,10 +440,15 @@ def open_tables(table_dir: str | os.PathLike, cfg: Optional[EngramConfig] = None
         want = set(cfg.layer_ids)
         if set(layers) != want:
             raise TableFormatError(f"{mpath}: holds layers {sorted(layers)}, the config wants {sorted(want)}")
+        _check_rows(layers, EngramLayout(cfg), mpath, f"config {cfg.source}")
     maps = {}
     for layer_id, info in layers.items():
         _check_layer_file(info, manifest)
-        maps[layer_id] = np.memmap(info.path, dtype=np.uint8, mode="r", offset=DATA_OFFSET, shape=(info.rows, ROW_BYTES))
+        try:
+            maps[layer_id] = np.memmap(info.path, dtype=np.uint8, mode="r", offset=DATA_OFFSET,
+                                       shape=(info.rows, ROW_BYTES))
+        except (OSError, ValueError) as e:  # replaced between the check and the map
+            raise TableFormatError(f"{info.path}: cannot map the layer file ({e})") from None
     return Tables(root, manifest, layers, maps)
 
 
@@ -258,13 +461,16 @@ def _check_layer_file(info: LayerInfo, manifest: dict) -> None:
     path = info.path
     want = DATA_OFFSET + info.rows * ROW_BYTES
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            page = f.read(DATA_OFFSET)
+        fd = open_regular(path, TableFormatError, "layer file")
     except FileNotFoundError:
         raise TableFormatError(f"{path}: layer file missing (the manifest lists it)") from None
+    try:
+        size = os.fstat(fd).st_size
+        page = os.pread(fd, DATA_OFFSET, 0)
     except OSError as e:
         raise TableFormatError(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
     if size < want:
         raise TableFormatError(
             f"{path}: truncated: {info.rows} rows of {ROW_BYTES} B expected ({want} bytes), "
@@ -274,21 +480,30 @@ def _check_layer_file(info: LayerInfo, manifest: dict) -> None:
         raise TableFormatError(
             f"{path}: over-long: {info.rows} rows of {ROW_BYTES} B expected ({want} bytes), file has {size} bytes"
         )
+    if len(page) < DATA_OFFSET:
+        raise TableFormatError(f"{path}: header page ends early ({len(page)} of {DATA_OFFSET} bytes)")
     magic, version, hlen = _HEADER.unpack_from(page)
     if magic != _MAGIC:
         raise TableFormatError(f"{path}: not an engram-sglang layer file (magic {magic!r})")
+    if version != VERSION:
+        raise TableFormatError(f"{path}: header format version {version}, this engram-sglang reads version {VERSION}")
+    if hlen > DATA_OFFSET - _HEADER.size:
+        raise TableFormatError(f"{path}: corrupt header page (header length {hlen} > {DATA_OFFSET - _HEADER.size})")
     try:
         header = json.loads(page[_HEADER.size : _HEADER.size + hlen])
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise TableFormatError(f"{path}: corrupt header page") from None
+    if not isinstance(header, dict):
+        raise TableFormatError(f"{path}: corrupt header page (not a JSON object)")
     for key, want_v in (
         ("layer_id", info.layer_id),
         ("rows", info.rows),
         ("row_bytes", ROW_BYTES),
         ("config_fingerprint", manifest.get("config_fingerprint")),
     ):
-        if header.get(key) != want_v:
-            raise TableFormatError(f"{path}: header {key} is {header.get(key)!r}, the manifest says {want_v!r}")
+        got = header.get(key)
+        if got != want_v or type(got) is not type(want_v):
+            raise TableFormatError(f"{path}: header {key} is {_short(got)}, the manifest says {want_v!r}")
 
 
 # -------------------------------------------------------------------------- verify
@@ -301,9 +516,7 @@ def verify_tables(
     done = {}
     for layer_id, info in tables.layers.items():
         rows = tables[layer_id]
-        n_chunks = -(-info.rows // chunk_rows)
-        if len(info.checksums) != n_chunks:
-            raise TableFormatError(f"{info.path}: manifest has {len(info.checksums)} checksums, {n_chunks} chunks expected")
+        n_chunks = len(info.checksums)  # one per chunk_rows rows (read_manifest checked)
         fd = os.open(info.path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -340,29 +553,66 @@ def inspect_tables(table_dir: str | os.PathLike) -> str:
 
 
 # ------------------------------------------------------------------------- convert
+_INDEX = "model.safetensors.index.json"
+
+
 def _tensor_names(layer_id: int) -> dict[str, list[str]]:
     base = f"layers.{layer_id}.engram.embed"
     return {kind: [f"{base}.{kind}", f"model.{base}.{kind}"] for kind in ("weight", "scale")}
 
 
-def _index_checkpoint(ckpt: Path) -> dict[str, Path]:
-    """Tensor name -> shard file, from the index when present, else by reading every header."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise TableFormatError(f"{index}: unreadable index ({e!r})") from None
-        return {name: ckpt / shard for name, shard in weight_map.items()}
-    from safetensors import safe_open
+def _shard_keys(shard: Path, safe_open) -> list[str]:
+    """Tensor names of one shard; a shard that is not a readable safetensors file is one line."""
+    with _open_shard(shard, safe_open) as f:
+        return list(f.keys())
 
+
+class _open_shard:
+    """safe_open of a regular file, its errors (SafetensorError, OSError) as one line."""
+
+    def __init__(self, shard: Path, safe_open):
+        self.shard, self.safe_open, self.f = shard, safe_open, None
+
+    def __enter__(self):
+        from safetensors import SafetensorError
+
+        try:
+            os.close(open_regular(self.shard, TableFormatError, "checkpoint shard"))
+            self.f = self.safe_open(self.shard, framework="pt").__enter__()
+        except FileNotFoundError:
+            raise TableFormatError(f"{self.shard}: checkpoint shard missing") from None
+        except (SafetensorError, OSError) as e:
+            raise TableFormatError(f"{self.shard}: not a readable safetensors file ({str(e)[:120]})") from None
+        return self.f
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+def _index_checkpoint(ckpt: Path, safe_open) -> dict[str, Path]:
+    """Tensor name -> shard file, from the index when present, else by reading every header."""
+    index = ckpt / _INDEX
+    if os.path.lexists(index):
+        try:
+            raw = json.loads(read_regular(index, MAX_MANIFEST_BYTES, TableFormatError, "checkpoint index"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise TableFormatError(f"{index}: unreadable index ({type(e).__name__})") from None
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise TableFormatError(f"{index}: no weight_map object (tensor name -> shard file)")
+        out = {}
+        for name, shard in weight_map.items():
+            # Shards sit beside the index: a plain file name, never a path out of the checkpoint.
+            if not isinstance(shard, str) or not shard or "/" in shard or shard in (".", ".."):
+                raise TableFormatError(f"{index}: tensor {_short(name)} maps to {_short(shard)}, not a shard file name")
+            out[name] = ckpt / shard
+        return out
     shards = sorted(ckpt.glob("*.safetensors"))
     if not shards:
         raise TableFormatError(f"{ckpt}: no *.safetensors files")
     names = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
-            names.update({k: shard for k in f.keys()})
+        names.update({k: shard for k in _shard_keys(shard, safe_open)})
     return names
 
 
@@ -376,15 +626,21 @@ def convert_checkpoint(
 ) -> Path:
     """Pack a checkpoint's `layers.{L}.engram.embed.weight` (fp8 [R, 256]) and `.scale`
     (e8m0 [R, 8]) tensors, with or without the `model.` prefix and in any shards, into a
-    table directory. The config comes from CHECKPOINT/config.json unless given."""
+    table directory. The config comes from CHECKPOINT/config.json unless given.
+
+    Every tensor's shard, dtype and shape are checked before anything is written, and the
+    tables are written beside `out_dir` and swapped in only when complete (write_tables):
+    a checkpoint that fails leaves an existing `out_dir` as it was."""
     from safetensors import safe_open
 
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
         raise TableFormatError(f"{ckpt}: checkpoint directory does not exist")
+    if not _is_count(chunk_rows):
+        raise TableFormatError(f"convert: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     cfg = cfg or EngramConfig.from_pretrained(ckpt)
     layout = EngramLayout(cfg)
-    where = _index_checkpoint(ckpt)
+    where = _index_checkpoint(ckpt, safe_open)
     sources = {}
     for layer_id in cfg.layer_ids:
         found = {}
@@ -395,24 +651,41 @@ def convert_checkpoint(
                     f"{ckpt}: no tensor {candidates[0]} (nor {candidates[1]}) in {len(set(where.values()))} shard(s)"
                 )
             found[kind] = (name, where[name])
+        _check_tensors(found, layout.rows(layer_id), safe_open)
         sources[layer_id] = _layer_chunks(found, layout.rows(layer_id), chunk_rows, safe_open)
     return write_tables(out_dir, cfg, sources, chunk_rows=CHUNK_ROWS, progress=progress)
 
 
+def _layer_tensors(found):
+    (wname, wfile), (sname, sfile) = found["weight"], found["scale"]
+    return ((wname, wfile, PAYLOAD_BYTES, ("F8_E4M3", "U8")), (sname, sfile, SCALE_BYTES, ("F8_E8M0", "U8")))
+
+
+def _check_tensors(found, expected_rows: int, safe_open) -> None:
+    """Dtype and shape of one layer's weight and scale tensors."""
+    for name, shard, width, dtypes in _layer_tensors(found):
+        with _open_shard(shard, safe_open) as f:
+            if name not in f.keys():
+                raise TableFormatError(f"{shard}: no tensor {name} (the checkpoint index says it is there)")
+            sl = f.get_slice(name)
+            dtype, shape = sl.get_dtype(), list(sl.get_shape())
+        if dtype not in dtypes:
+            raise TableFormatError(f"{shard}: {name} has dtype {dtype}, expected {dtypes[0]}")
+        if shape != [expected_rows, width]:
+            raise TableFormatError(f"{shard}: {name} has shape {shape}, expected [{expected_rows}, {width}]")
+
+
 def _layer_chunks(found, expected_rows, chunk_rows, safe_open) -> Iterator[np.ndarray]:
     """Stream packed chunks of one layer from its (possibly different) weight and scale shards."""
-    (wname, wfile), (sname, sfile) = found["weight"], found["scale"]
-    with safe_open(wfile, framework="pt") as fw, safe_open(sfile, framework="pt") as fs:
+    from safetensors import SafetensorError
+
+    (wname, wfile, _, _), (sname, sfile, _, _) = _layer_tensors(found)
+    with _open_shard(wfile, safe_open) as fw, _open_shard(sfile, safe_open) as fs:
         w, s = fw.get_slice(wname), fs.get_slice(sname)
-        for name, shard, sl, width, dtypes in (
-            (wname, wfile, w, PAYLOAD_BYTES, ("F8_E4M3", "U8")),
-            (sname, sfile, s, SCALE_BYTES, ("F8_E8M0", "U8")),
-        ):
-            shape = list(sl.get_shape())
-            if sl.get_dtype() not in dtypes:
-                raise TableFormatError(f"{shard}: {name} has dtype {sl.get_dtype()}, expected {dtypes[0]}")
-            if shape != [expected_rows, width]:
-                raise TableFormatError(f"{shard}: {name} has shape {shape}, expected [{expected_rows}, {width}]")
         for lo in range(0, expected_rows, chunk_rows):
             hi = min(expected_rows, lo + chunk_rows)
-            yield pack(w[lo:hi], s[lo:hi]).numpy()
+            try:
+                chunk = pack(w[lo:hi], s[lo:hi]).numpy()
+            except (SafetensorError, OSError) as e:  # a shard changed or failed under us
+                raise TableFormatError(f"{wfile} / {sfile}: reading rows {lo}..{hi - 1} of {wname} failed ({e})") from None
+            yield chunk
