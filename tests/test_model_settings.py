@@ -28,6 +28,7 @@ def test_defaults_and_environment():
     ({"ENGRAM_PLACEMENT": "ssd"}, "ENGRAM_PLACEMENT (--engram-placement) must be one of device, host, disk, got 'ssd'"),
     ({"ENGRAM_DISK_THREADS": "many"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be an integer, got 'many'"),
     ({"ENGRAM_DISK_THREADS": "0"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be >= 1, got 0"),
+    ({"ENGRAM_DISK_THREADS": "2000"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be at most 256 (reads in flight), got 2000"),
     ({"ENGRAM_HUGE_PAGES": "maybe"}, "ENGRAM_HUGE_PAGES (--engram-huge-pages) must be on/off"),
     ({"ENGRAM_DEBUG": "skip-wait,oops"}, "ENGRAM_DEBUG (--engram-debug): unknown value(s) oops"),
 ])

@@ -15,6 +15,8 @@ from typing import Any, Mapping, Optional
 
 from ..errors import EngramConfigError
 
+MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
+
 PLACEMENTS = ("device", "host", "disk")
 DEBUG_KNOBS = ("corrupt-history", "skip-wait")
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
@@ -121,6 +123,8 @@ def _parse(knob: Knob, raw: str) -> Any:
             raise EngramConfigError(f"{where} must be an integer, got {raw!r}") from None
         if n < 0 or (knob.flag == "disk-threads" and n < 1):
             raise EngramConfigError(f"{where} must be {'>= 1' if knob.flag == 'disk-threads' else '>= 0'}, got {n}")
+        if knob.flag == "disk-threads" and n > MAX_DISK_THREADS:
+            raise EngramConfigError(f"{where} must be at most {MAX_DISK_THREADS} (reads in flight), got {n}")
         return n
     if knob.kind == "bool":
         low = value.lower()

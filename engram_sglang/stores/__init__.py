@@ -14,6 +14,7 @@ from ..tablefile import open_tables
 from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .metrics import METRICS
+from . import rowio
 from .placements import DeviceStore, DiskStore, HostStore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ def open_store(
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS[placement])) or "none"
         raise EngramError(f"placement {placement} has no option(s) {', '.join(sorted(unknown))} (options: {allowed})")
+    if "threads" in options:
+        rowio.check_threads(options["threads"], "disk placement option threads")
     tables = open_tables(table_dir, cfg)
     METRICS.get()  # the stores' Prometheus collectors register here, once per process
     if placement == "host":

@@ -516,8 +516,9 @@ class HotRowCache(TableStore):
                 lower, unique = self._lower_from_host(flat, hit)
             else:
                 # -1 lies outside every row range: hits cost the tier below no read at all.
+                # table_address: the table as the op reads it (a host store's device address).
                 lower = gather_dequant(self.inner.table, torch.where(hit, -1, flat), row_range=self.inner.row_range,
-                                       backend=self.backend)
+                                       backend=self.backend, table_address=self.inner.table_address)
                 unique = None
             rows = torch.where(hit.unsqueeze(-1), cached, lower).view(*ids.shape, PAYLOAD_BYTES)
             if out is not None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import EngramError
-from ..ops import gather_dequant
+from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, rowio
@@ -35,14 +35,17 @@ logger = logging.getLogger(__name__)
 _OVERLAP_ROWS = 16384
 
 
-def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str) -> torch.Tensor:
-    return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend)
+def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str,
+            table_address: Optional[int] = None) -> torch.Tensor:
+    return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend, table_address=table_address)
 
 
 class DeviceStore(TableStore):
     """The rows in the compute device's memory (RAM on a CPU-only machine)."""
 
     placement = "device"
+    # The table as the op reads it is `table` itself (see HostStore.table_address).
+    table_address: Optional[int] = None
 
     def __init__(self, layer_id, path, rows, row_range, device, backend):
         super().__init__(layer_id, path, rows, row_range, device, backend)
@@ -64,14 +67,25 @@ class DeviceStore(TableStore):
 
 class HostStore(TableStore):
     """The rows in host memory (anonymous, or one /dev/shm copy per node), huge pages
-    where the system gives them, registered with the GPU and read in-kernel over UVA."""
+    where the system gives them, registered with the GPU and read in-kernel by the device
+    address the runtime maps them at (`table_address`)."""
 
     placement = "host"
+    # Device address of `table`'s first row where it is registered with the GPU: what the
+    # native and Triton gathers read (`gather_dequant(table, ..., table_address=...)`).
+    table_address: Optional[int] = None
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, fingerprint: str = ""):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
+        if self.device.type == "cuda":
+            # Before the table is read into memory: a device that can read registered host
+            # memory neither by its host pointer nor by a mapped device address is refused.
+            dev = probe.select_backend(self.device, backend).device
+            if not (dev.uva or dev.host_map):
+                raise EngramError(f"placement host: {dev.describe()} cannot read registered host memory "
+                                  f"(its runtime reports no mapping of host memory): choose placement device or disk")
         shm_path = None
         if shared:
             # One copy of the whole layer per node: every TP rank and DP replica on the node
@@ -96,8 +110,13 @@ class HostStore(TableStore):
         self.shared = shm_path is not None
         mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
         self.table = mapped[lo - first : hi - first]
-        if self.device.type == "cuda":
-            hostmem.register_with_gpu(self.memory.address, nbytes)
+        # Registered: only the pages of the rows this rank reads (its shard of a shared layer),
+        # for this store's device; kernels read them by the device address the runtime gives.
+        self.registration: Optional[hostmem.Registration] = None
+        if self.device.type == "cuda" and hi > lo:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.registration = hostmem.register_with_gpu(self.table.data_ptr(), (hi - lo) * ROW_BYTES, device=index)
+            self.table_address = self.registration.device_pointer(self.table.data_ptr())
             self.memory.registered = True
         self.huge = self.memory.huge_pages_report()
         METRICS.host_facts(self)
@@ -107,7 +126,7 @@ class HostStore(TableStore):
         return self.memory.nbytes
 
     def _gather(self, ids, out):
-        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend)
+        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend, self.table_address)
         METRICS.served(self, ids.numel())
         return rows, None
 
@@ -124,8 +143,10 @@ class HostStore(TableStore):
 
     def close(self) -> None:
         super().close()
-        if self.memory.registered:
-            hostmem.unregister_from_gpu(self.memory.address)
+        if self.registration is not None:
+            hostmem.unregister_from_gpu(self.registration)
+            self.registration = None
+            self.table_address = None
             self.memory.registered = False
 
 

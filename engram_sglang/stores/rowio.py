@@ -38,6 +38,18 @@ def library() -> ctypes.CDLL:
 
 AIO_UNAVAILABLE = -2
 
+# Reads in flight per call, at most (kMaxThreads in engram_rowio.cpp, which clamps to it too):
+# a disk gains nothing past a few hundred, and thousands of threads under a memory limit
+# fail to start.
+MAX_THREADS = 256
+
+
+def check_threads(threads, where: str = "disk threads") -> int:
+    """`threads` if it is a whole number in 1..MAX_THREADS, else one line naming `where`."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise EngramError(f"{where} must be a whole number from 1 to {MAX_THREADS} (reads in flight), got {threads!r}")
+    return threads
+
 
 def aio_read_rows(fd: int, data_offset: int, rows: np.ndarray, out: np.ndarray, depth: int) -> tuple[int, int]:
     """Read ascending rows of an O_DIRECT file by native AIO, `depth` in flight; returns

@@ -26,8 +26,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <algorithm>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -90,18 +93,23 @@ void ensure_guard() {
 }
 
 // ------------------------------------------------------------------ worker pool
+// Threads of one call, at most (rowio.MAX_THREADS mirrors it; the Python side refuses more).
+// Past a few hundred reads in flight a disk gains nothing, and thousands of threads under a
+// memory limit fail to start.
+constexpr int kMaxThreads = 256;
+
 // Persistent threads: creating dozens of threads per decode step would cost more than the
 // rows. A call hands out work items through an atomic counter; the caller works too.
 class Pool {
   public:
     void run(int threads, int64_t items, const std::function<void(int64_t)>& fn) {
+        threads = std::min(threads, kMaxThreads);
         if (threads <= 1 || items <= 1) {
             for (int64_t k = 0; k < items; ++k) fn(k);
             return;
         }
         std::lock_guard<std::mutex> call_lock(call_mutex_);  // one call at a time per pool
-        const int helpers = static_cast<int>(std::min<int64_t>(threads - 1, items - 1));
-        grow(helpers);
+        const int helpers = grow(static_cast<int>(std::min<int64_t>(threads - 1, items - 1)));
         {
             std::lock_guard<std::mutex> lock(mutex_);
             fn_ = &fn;
@@ -128,11 +136,18 @@ class Pool {
     }
 
   private:
-    void grow(int n) {
-        while (static_cast<int>(threads_.size()) < n) {
-            const int index = static_cast<int>(threads_.size());
-            threads_.emplace_back([this, index] { loop(index); });
+    // Start helpers up to n; returns how many there are. A thread the system refuses (out of
+    // memory or of tasks) is not fatal: the call runs with those it has (the caller always works).
+    int grow(int n) {
+        try {
+            while (static_cast<int>(threads_.size()) < n) {
+                const int index = static_cast<int>(threads_.size());
+                threads_.emplace_back([this, index] { loop(index); });
+            }
+        } catch (const std::system_error&) {
+        } catch (const std::bad_alloc&) {
         }
+        return std::min(n, static_cast<int>(threads_.size()));
     }
 
     void drain() {
