@@ -1,6 +1,7 @@
 # Native gather kernels (kernels/): `make kernels` builds, without a GPU,
 #   build/kernels/libengram_cpu.so   host library (g++)
-#   build/kernels/libengram_cuda.so  sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc)
+#   build/kernels/libengram_cuda.so  sm_89, sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc),
+#                                    on the shared CUDA runtime (the libcudart torch loads)
 #   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
 # plus what tests/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
 # VENDOR=cuda|hip|cpu|all picks what to build (the Docker images build one vendor; cpu is
@@ -20,7 +21,7 @@ LLVM_SUFFIX ?= -22
 ROCM_PATH ?= /usr
 ROCM_BITCODE ?= /usr/lib/x86_64-linux-gnu/amdgcn/bitcode
 
-CUDA_ARCHS := 90 100 120
+CUDA_ARCHS := 89 90 100 120
 CUDA_PTX_ARCH := 120
 CUDA_TARGETS := $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX_ARCH)
 HIP_ARCHS := gfx942 gfx950
@@ -83,9 +84,12 @@ $(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) mk/kernels.mk
 	@mkdir -p $(@D)
 	$(CXX) $(KERNEL_CXXFLAGS) -shared -o $@ $<
 
+# -cudart shared: libcudart is NEEDED by soname, so the library runs on the copy torch loaded
+# (nvcc's default static runtime would be a second runtime in the process, with its own
+# context bookkeeping; ops/native.py checks the soname against the loaded one).
 $(CUDA_LIB): kernels/cuda/engram_gather.cu $(KERNEL_COMMON) mk/kernels.mk
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCC_FLAGS) -shared -DENGRAM_CUDA_TARGETS='"$(CUDA_TARGETS)"' \
+	$(NVCC) $(NVCC_FLAGS) -shared -cudart shared -DENGRAM_CUDA_TARGETS='"$(CUDA_TARGETS)"' \
 		$(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
 		-gencode arch=compute_$(CUDA_PTX_ARCH),code=compute_$(CUDA_PTX_ARCH) -o $@ $<
 

@@ -27,7 +27,7 @@ from test_gather import bits_of, exhaustive_table, expected_bits
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("ENGRAM_KERNELS_DIR", ROOT / "build" / "kernels"))
 COMMON = ROOT / "kernels" / "common" / "engram_gather.h"
-CUDA_ARCHS = (90, 100, 120)
+CUDA_ARCHS = (89, 90, 100, 120)
 HIP_ARCHS = ("gfx942", "gfx950")
 # LLVM tools as mk/kernels.mk names them: Debian's clang-22 packages, or the ROCm image's own.
 LLVM = os.environ.get("LLVM_SUFFIX", "-22")
@@ -111,10 +111,15 @@ def test_cuda_library_targets():
     entries = set(fatbin_entries(so))
     assert {("ELF", a) for a in CUDA_ARCHS} <= entries
     assert ("PTX", 120) in entries
-    # Loads without a GPU; a launch reports the missing driver instead of crashing. In a
-    # subprocess so that a crash cannot take pytest down.
+    # The shared CUDA runtime, by soname: the copy torch loaded serves it (nvcc's default static
+    # runtime would be a second one in the process).
+    dynamic = run(tool("readelf"), "-d", str(so))
+    assert re.search(r"\(NEEDED\)\s+Shared library: \[libcudart\.so\.\d+\]", dynamic), dynamic
+    # Loads without a GPU after torch (which maps the runtime it needs); a launch reports the
+    # missing driver instead of crashing. In a subprocess so that a crash cannot take pytest down.
     code = f"""
         import ctypes
+        import torch
         lib = ctypes.CDLL({str(so)!r})
         lib.engram_cuda_targets.restype = ctypes.c_char_p
         lib.engram_cuda_error_string.restype = ctypes.c_char_p
@@ -129,7 +134,7 @@ def test_cuda_library_targets():
     """
     lines = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True, capture_output=True,
                            text=True, timeout=60).stdout.splitlines()
-    assert lines[0] == "1 sm_90 sm_100 sm_120 compute_120"
+    assert lines[0] == "1 sm_89 sm_90 sm_100 sm_120 compute_120"
     rc, msg = lines[1].split(" ", 1)
     assert int(rc) > 0 and msg  # e.g. 35 "CUDA driver version is insufficient" / 100 "no device"
     assert lines[2] == "-2 -1"  # misaligned table, bad n: refused before any CUDA call

@@ -10,10 +10,11 @@ import pytest
 from engram_sglang.ops import BackendUnavailableError, native, probe, select_backend
 from engram_sglang.ops.probe import Environment, choose, cpu_device, cuda_code_runs, cuda_device, hip_device
 
-CUDA_BUILD = ("sm_90", "sm_100", "sm_120", "compute_120")  # what mk/kernels.mk builds
+CUDA_BUILD = ("sm_89", "sm_90", "sm_100", "sm_120", "compute_120")  # what mk/kernels.mk builds
 HIP_BUILD = ("gfx942", "gfx950")
 
 DEVICES = {
+    "L40S": cuda_device("NVIDIA L40S", 8, 9),  # Ada: converts e4m3 natively
     "H100": cuda_device("NVIDIA H100 80GB HBM3", 9, 0),
     "H200": cuda_device("NVIDIA H200", 9, 0),
     "B200": cuda_device("NVIDIA B200", 10, 0),
@@ -35,6 +36,7 @@ def full_env(**over) -> Environment:
 @pytest.mark.parametrize(
     "name, backend, warp, fp8",
     [
+        ("L40S", "cuda", 32, "e4m3fn"),
         ("H100", "cuda", 32, "e4m3fn"),
         ("H200", "cuda", 32, "e4m3fn"),
         ("B200", "cuda", 32, "e4m3fn"),
@@ -79,10 +81,12 @@ def test_missing_native_library_falls_back_with_reason():
 
 
 def test_gpu_the_library_was_not_built_for():
-    l40s = cuda_device("NVIDIA L40S", 8, 9)  # older than every sm_ and the compute_120 PTX
-    choice = choose(l40s, full_env())
+    a100 = cuda_device("NVIDIA A100-SXM4-80GB", 8, 0)  # older than every sm_ and the compute_120 PTX
+    choice = choose(a100, full_env())
     assert choice.backend == "triton" and choice.degraded
-    assert "none runs on sm_89" in dict(choice.rejected)["cuda"]
+    assert "none runs on sm_80" in dict(choice.rejected)["cuda"]
+    rtx4090 = cuda_device("NVIDIA GeForce RTX 4090", 8, 9)  # Ada, like the L40S: the sm_89 SASS
+    assert choose(rtx4090, full_env()).backend == "cuda"
     gb300_next = cuda_device("NVIDIA next", 12, 1)  # sm_121: the sm_120 SASS (and PTX) run
     assert choose(gb300_next, full_env()).backend == "cuda"
 
@@ -105,6 +109,8 @@ def test_forced_backend():
 
 def test_cuda_binary_compatibility_rules():
     assert cuda_code_runs(CUDA_BUILD, "sm_90")
+    assert cuda_code_runs(CUDA_BUILD, "sm_89")
+    assert not cuda_code_runs(["sm_89"], "sm_90")  # no forward SASS across major versions
     assert not cuda_code_runs(["sm_90"], "sm_100")  # SASS does not cross major versions
     assert cuda_code_runs(["sm_100"], "sm_103")
     assert not cuda_code_runs(["sm_100"], "sm_120")

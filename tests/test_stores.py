@@ -278,17 +278,6 @@ def test_host_table_reports_huge_pages_from_smaps(table_dir):
     assert f"huge pages {report.coverage:.0%}" in store.describe()
 
 
-def test_gpu_registration_failure_names_size_and_limit():
-    """No GPU here: a stand-in for torch.cuda.cudart() that fails as a low `ulimit -l` does."""
-
-    class FailingCudart:
-        def cudaHostRegister(self, address, nbytes, flags):
-            return 2  # cudaErrorMemoryAllocation
-
-    with pytest.raises(EngramError, match=r"registering 47.21 GiB of host table memory with the GPU failed \(error 2\); the locked-memory limit \(ulimit -l\) is"):
-        hostmem.register_with_gpu(0x1000, int(47.21 * 2**30), cudart=FailingCudart())
-
-
 def test_open_store_puts_a_hot_row_cache_in_front(table_dir, rng):
     root, tables = table_dir
     stores = open_store(root, "disk", cfg=CFG, cache_bytes=4 << 20)

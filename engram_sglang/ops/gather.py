@@ -40,13 +40,44 @@ def gather_dequant_ref(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int)
 
 
 # ------------------------------------------------------------------ backends
-def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+def table_pointer(table: torch.Tensor, table_address: Optional[int] = None) -> int:
+    """The address a GPU kernel reads `table` by: its own pointer in device memory; for host
+    memory registered with the GPU, the device address the runtime mapped it at (given by the
+    caller, e.g. HostStore.table_address, else asked from the runtime). On ROCm that address
+    may differ from the host pointer, which the device would then fault on. 0 for an empty
+    table (the native launchers take a null table for an empty shard: they read no row)."""
+    if table.numel() == 0:
+        return 0
+    if table.device.type != "cpu":
+        return table.data_ptr()
+    if table_address is not None:
+        return int(table_address)
+    from . import gpu_runtime
+
+    try:
+        return gpu_runtime.current().host_device_pointer(table.data_ptr())
+    except (gpu_runtime.GpuRuntimeUnavailable, gpu_runtime.GpuRuntimeError) as e:
+        raise ValueError(f"engram gather: the host table at {table.data_ptr():#x} has no device address ({e}); "
+                         f"register it with the GPU (HostStore does) or pass table_address") from None
+
+
+class _DevicePointer:
+    """What Triton reads a pointer argument from (.data_ptr() and .dtype): a host table by the
+    device address it is mapped at."""
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
+            table_address: Optional[int] = None) -> None:
     """Write out[n, 256] (contiguous bf16) for 1-D contiguous int32/int64 ids."""
     n = ids.numel()
     if n == 0:
         return
-    # The native launchers take a null table for an empty shard (they read no row of it).
-    table_ptr = table.data_ptr() if table.numel() else 0
     if backend == "torch":
         out.copy_(gather_dequant_ref(table, ids, lo, hi))
     elif backend == "triton":
@@ -54,10 +85,13 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
 
         if table.device != ids.device and table.device.type == "cuda":
             raise ValueError(f"engram gather: table on {table.device}, ids on {ids.device}")
+        words = None
+        if table.device.type == "cpu" and ids.is_cuda and table.numel():
+            words = _DevicePointer(table_pointer(table, table_address), torch.int64)
         with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
-            gather_dequant_triton(table, ids, lo, hi, out)
+            gather_dequant_triton(table, ids, lo, hi, out, words=words)
     elif backend == "cpu":
-        native.load("cpu").gather(table_ptr, ids.data_ptr(), ids.element_size(), n, lo, hi,
+        native.load("cpu").gather(table.data_ptr() if table.numel() else 0, ids.data_ptr(), ids.element_size(), n, lo, hi,
                                   out.data_ptr(), torch.get_num_threads())
     elif backend in ("cuda", "hip"):
         lib = native.load(backend)
@@ -65,7 +99,8 @@ def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: i
         target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
         with torch.cuda.device(ids.device):
             stream = torch.cuda.current_stream(ids.device).cuda_stream
-            lib.gather(table_ptr, ids.data_ptr(), ids.element_size(), n, lo, hi, target.data_ptr(), stream)
+            lib.gather(table_pointer(table, table_address), ids.data_ptr(), ids.element_size(), n, lo, hi,
+                       target.data_ptr(), stream)
         if target is not out:
             out.copy_(target)
     else:
@@ -80,31 +115,33 @@ def _resolve(backend: str, device: torch.device) -> str:
 
 # ------------------------------------------------------------------ custom ops
 @torch.library.custom_op("engram::gather_dequant", mutates_args=())
-def _gather_dequant_op(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, backend: str) -> torch.Tensor:
+def _gather_dequant_op(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, backend: str,
+                       table_address: Optional[int] = None) -> torch.Tensor:
     out = torch.empty((ids.numel(), ROW_VALUES), dtype=torch.bfloat16, device=ids.device)
-    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out)
+    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out, table_address)
     return out
 
 
 @_gather_dequant_op.register_fake
-def _(table, ids, lo, hi, backend):
+def _(table, ids, lo, hi, backend, table_address=None):
     return ids.new_empty((ids.numel(), ROW_VALUES), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("engram::gather_dequant_out", mutates_args=("out",))
 def _gather_dequant_out_op(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, lo: int, hi: int,
-                           backend: str) -> None:
-    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out)
+                           backend: str, table_address: Optional[int] = None) -> None:
+    _launch(_resolve(backend, ids.device), table, ids, lo, hi, out, table_address)
 
 
 @_gather_dequant_out_op.register_fake
-def _(table, ids, out, lo, hi, backend):
+def _(table, ids, out, lo, hi, backend, table_address=None):
     return None
 
 
 # ------------------------------------------------------------------ public entry
 def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-                   row_range: Optional[tuple[int, int]] = None, backend: str = "auto") -> torch.Tensor:
+                   row_range: Optional[tuple[int, int]] = None, backend: str = "auto",
+                   table_address: Optional[int] = None) -> torch.Tensor:
     """Gather packed Engram rows by global row id and dequantize them to bf16.
 
     Parameters
@@ -125,6 +162,10 @@ def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torc
         "auto" (the device probe's choice, or $ENGRAM_BACKEND), or one of "torch", "triton",
         "cpu", "cuda", "hip"; an explicit backend that cannot run raises
         BackendUnavailableError.
+    table_address : int, optional
+        For a table in registered host memory: the device address the GPU runtime mapped its
+        first row at (HostStore.table_address). GPU backends read the table by it; when it is
+        omitted they ask the runtime. The torch and cpu backends read the host tensor.
 
     Returns
     -------
@@ -157,11 +198,11 @@ def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torc
     flat = flat.contiguous()
     shape = (*ids.shape, ROW_VALUES)
     if out is None:
-        return _gather_dequant_op(table, flat, lo, hi, backend).view(shape)
+        return _gather_dequant_op(table, flat, lo, hi, backend, table_address).view(shape)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or out.device != device:
         raise ValueError(f"engram gather: out must be bf16 {list(shape)} on {device}, got "
                          f"{out.dtype} {list(out.shape)} on {out.device}")
     if not out.is_contiguous():
         raise ValueError("engram gather: out must be contiguous")
-    _gather_dequant_out_op(table, flat, out.view(-1, ROW_VALUES), lo, hi, backend)
+    _gather_dequant_out_op(table, flat, out.view(-1, ROW_VALUES), lo, hi, backend, table_address)
     return out

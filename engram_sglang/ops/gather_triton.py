@@ -67,12 +67,16 @@ def _gather_dequant_kernel(table_ptr, ids_ptr, out_ptr, n, lo, hi, ROWS: tl.cons
     tl.store(out_ptr + offs, rb.to(tl.int16), mask=rmask[:, None, None])
 
 
-def gather_dequant_triton(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+def gather_dequant_triton(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
+                          words=None) -> None:
     """Rows ids (int32/int64, 1-D, contiguous) of a packed uint8 [R, 264] table holding global
-    rows [lo, hi) -> out bf16 [n, 256] (contiguous). Launches on the current stream."""
+    rows [lo, hi) -> out bf16 [n, 256] (contiguous). Launches on the current stream. `words`:
+    what the kernel reads the table by instead (an int64 pointer object: a host table's
+    device address)."""
     n = ids.numel()
     if n == 0:
         return
-    words = table.view(torch.int64) if table.numel() else table.new_zeros((1, ROW_WORDS), dtype=torch.int64)
+    if words is None:
+        words = table.view(torch.int64) if table.numel() else table.new_zeros((1, ROW_WORDS), dtype=torch.int64)
     grid = (triton.cdiv(n, ROWS_PER_PROGRAM),)
     _gather_dequant_kernel[grid](words, ids, out.view(torch.int16), n, lo, hi, ROWS=ROWS_PER_PROGRAM, num_warps=4)

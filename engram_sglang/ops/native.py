@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from . import gpu_runtime
+
 ABI_VERSION = 1
 LIB_NAMES = {"cpu": "libengram_cpu.so", "cuda": "libengram_cuda.so", "hip": "libengram_hip.so"}
 
@@ -72,28 +74,45 @@ def _bind(kind: str, lib: ctypes.CDLL) -> None:
     getattr(lib, f"engram_{kind}_check_device").restype = i32
 
 
-def _make_hip_runtime_global() -> None:
-    """libengram_hip.so leaves its HIP symbols unresolved (the runtime's soname changes across
-    ROCm releases): load the runtime torch uses with RTLD_GLOBAL before it."""
-    candidates = []
-    try:
-        import torch
+def _bind_to_loaded_runtime(kind: str, path: Path) -> None:
+    """Make sure `path` will run on the GPU runtime torch already loaded, never on another copy.
 
-        candidates.append(Path(torch.__file__).parent / "lib" / "libamdhip64.so")
-    except ImportError:
-        pass
-    rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
-    candidates += [Path(rocm) / "lib" / "libamdhip64.so", Path("libamdhip64.so")]
-    errors = []
-    for c in candidates:
-        if c.is_absolute() and not c.exists():
-            continue
+    hip:  libengram_hip.so leaves its HIP symbols unresolved (the runtime's soname changes
+          across ROCm releases): the mapped libamdhip64 is made global first so they resolve
+          against it. A copy on the library path is never loaded: its fat binary would register
+          with a second HIP runtime ("invalid device function").
+    cuda: libengram_cuda.so needs the shared libcudart by soname; the loader reuses a loaded
+          object of that soname, so torch's copy must be the one it names (a CUDA major that
+          differs from torch's would bring a second runtime in)."""
+    prefix = gpu_runtime.LIBRARY_PREFIX[kind]
+    loaded = gpu_runtime.find_loaded(prefix)
+    if kind == "hip":
+        if loaded is None:
+            raise NativeUnavailable(
+                f"no HIP runtime ({prefix}) is loaded in this process (torch is not a ROCm build?): "
+                f"{path.name} binds only to the runtime torch loaded, never to another copy on the library path")
         try:
-            ctypes.CDLL(str(c), mode=ctypes.RTLD_GLOBAL)
-            return
+            ctypes.CDLL(loaded, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
         except OSError as e:
-            errors.append(f"{c}: {e}")
-    raise NativeUnavailable("no HIP runtime (libamdhip64.so) to bind libengram_hip.so to: " + "; ".join(errors))
+            raise NativeUnavailable(f"{loaded}: mapped but cannot be made global for {path.name}: {e}") from None
+        return
+    try:
+        needed = [n for n in gpu_runtime.elf_dynamic(str(path))[0] if n.startswith(prefix)]
+    except (OSError, ValueError) as e:
+        raise NativeUnavailable(f"{path} cannot be read: {e}") from None
+    if not needed:
+        raise NativeUnavailable(f"{path} links the CUDA runtime statically (a second runtime beside torch's): "
+                                f"rebuild with `make kernels`")
+    if loaded is None:
+        raise NativeUnavailable(f"no CUDA runtime ({prefix}) is loaded in this process (torch is not a CUDA "
+                                f"build?): {path.name} would load {needed[0]} on its own")
+    try:
+        soname = gpu_runtime.elf_dynamic(loaded)[1] or os.path.basename(loaded)
+    except (OSError, ValueError):
+        soname = os.path.basename(loaded)
+    if soname != needed[0]:
+        raise NativeUnavailable(f"{path.name} needs {needed[0]} but torch runs on {soname} ({loaded}): "
+                                f"rebuild it with the CUDA toolkit of torch's CUDA major (`make kernels`)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,8 +123,8 @@ def load(kind: str) -> NativeLib:
     path = kernels_dir() / LIB_NAMES[kind]
     if not path.is_file():
         raise NativeUnavailable(f"{path} not built (run `make kernels`)")
-    if kind == "hip":
-        _make_hip_runtime_global()
+    if kind in ("cuda", "hip"):
+        _bind_to_loaded_runtime(kind, path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:

@@ -46,8 +46,10 @@ class DeviceInfo:
     kind      "cuda" (NVIDIA), "hip" (AMD) or "cpu"
     arch      "sm_90", "gfx942", or the host machine ("x86_64")
     warp_size threads that run in lockstep: 32 on NVIDIA, 64 on CDNA, 1 on the host
-    uva       kernels can read host memory registered with the runtime by its pointer
+    uva       kernels can read host memory registered with the runtime by its host pointer
     fp8       native fp8 conversion: "e4m3fn" (OCP), "e4m3fnuz" (gfx942), or "none"
+    host_map  kernels can read registered host memory by the device address the runtime
+              maps it at (HostGetDevicePointer); host placement needs this or uva
     """
 
     kind: str
@@ -58,6 +60,7 @@ class DeviceInfo:
     uva: bool = False
     fp8: str = "none"
     simulated: bool = False
+    host_map: bool = False
 
     @property
     def torch_device(self) -> torch.device:
@@ -67,16 +70,19 @@ class DeviceInfo:
         caps = [self.arch, f"warp {self.warp_size}", f"fp8 {self.fp8}"]
         if self.uva:
             caps.append("uva")
+        elif self.host_map:
+            caps.append("host-mapped")
         where = "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index or 0}"
         return f"{self.name} ({where}, {', '.join(caps)})"
 
 
 # ------------------------------------------------------------------ device constructors
 def cuda_device(name: str, major: int, minor: int, *, index: int = 0, uva: bool = True,
-                simulated: bool = True) -> DeviceInfo:
-    """An NVIDIA device of compute capability major.minor."""
+                host_map: Optional[bool] = None, warp_size: int = 32, simulated: bool = True) -> DeviceInfo:
+    """An NVIDIA device of compute capability major.minor (host_map defaults to uva)."""
     fp8 = "e4m3fn" if (major, minor) >= (8, 9) else "none"  # cvt.*.e4m3x2 from sm_89
-    return DeviceInfo("cuda", name, f"sm_{major}{minor}", index, 32, uva, fp8, simulated)
+    return DeviceInfo("cuda", name, f"sm_{major}{minor}", index, warp_size, uva, fp8, simulated,
+                      uva if host_map is None else host_map)
 
 
 def gfx_target(gcn_arch_name: str) -> str:
@@ -85,12 +91,15 @@ def gfx_target(gcn_arch_name: str) -> str:
 
 
 def hip_device(name: str, gcn_arch_name: str, *, index: int = 0, uva: bool = True,
-               warp_size: Optional[int] = None, simulated: bool = True) -> DeviceInfo:
-    """An AMD device of the given gfx target (features after ':' are ignored)."""
+               host_map: Optional[bool] = None, warp_size: Optional[int] = None,
+               simulated: bool = True) -> DeviceInfo:
+    """An AMD device of the given gfx target (features after ':' are ignored; host_map
+    defaults to uva)."""
     arch = gfx_target(gcn_arch_name)
     if warp_size is None:
         warp_size = 64 if arch.startswith("gfx9") else 32  # CDNA/GCN wave64, RDNA wave32
-    return DeviceInfo("hip", name, arch, index, warp_size, uva, _GFX_FP8.get(arch, "none"), simulated)
+    return DeviceInfo("hip", name, arch, index, warp_size, uva, _GFX_FP8.get(arch, "none"), simulated,
+                      uva if host_map is None else host_map)
 
 
 def _cpu_name() -> str:
@@ -120,19 +129,22 @@ def read_device(device: Optional[torch.device | str] = None) -> DeviceInfo:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     warp = getattr(props, "warp_size", None)
-    if torch.version.hip:
-        return hip_device(props.name, getattr(props, "gcnArchName", "unknown"), index=index, uva=True,
-                          warp_size=warp, simulated=False)
-    info = cuda_device(props.name, props.major, props.minor, index=index, uva=True, simulated=False)
-    from . import native
+    # The same questions of either vendor's runtime (the one torch loaded): can the device map
+    # registered host memory, and is the mapped address the host pointer itself? Without a
+    # runtime to ask, neither is assumed (host placement is then refused).
+    from . import gpu_runtime
 
-    lib, _ = native.try_load("cuda")
-    attrs = native.cuda_device_info(lib, index) if lib else None
-    if attrs:
-        # A registered host pointer is usable as is only when the device says so.
-        uva = bool(attrs["unified_addressing"] and attrs["host_pointer_for_registered"])
-        info = DeviceInfo(info.kind, info.name, info.arch, index, attrs["warp_size"], uva, info.fp8, False)
-    return info
+    runtime, why = gpu_runtime.try_current()
+    access = gpu_runtime.host_access(runtime, index) if runtime else gpu_runtime.HostAccess(False, False, False)
+    if runtime is None:
+        logger.debug("engram gather: no GPU runtime to ask about host memory access: %s", why)
+    elif runtime.attribute("warp_size", index):
+        warp = runtime.attribute("warp_size", index)
+    if torch.version.hip:
+        return hip_device(props.name, getattr(props, "gcnArchName", "unknown"), index=index, uva=access.same_address,
+                          host_map=access.mapped, warp_size=warp, simulated=False)
+    return cuda_device(props.name, props.major, props.minor, index=index, uva=access.same_address,
+                       host_map=access.mapped, warp_size=warp or 32, simulated=False)
 
 
 # ------------------------------------------------------------------ what can run

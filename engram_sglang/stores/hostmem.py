@@ -15,11 +15,12 @@ import mmap
 import os
 import re
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
+from ..ops import gpu_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -202,27 +203,94 @@ def shm_free_bytes(shm_dir: Path) -> int:
 
 
 # ------------------------------------------------------------- GPU registration
-def register_with_gpu(address: int, nbytes: int, cudart=None) -> None:
-    """Page-lock host memory and map it for the GPU (cudaHostRegister / hipHostRegister
-    through torch's runtime binding). A failure names the size and the locked-memory limit."""
+@dataclass(frozen=True)
+class Registration:
+    """Host memory [address, address + nbytes) page-locked and mapped for `device`.
+
+    `device_address` is what the runtime's HostGetDevicePointer returned for `address`: the
+    address kernels must read it by. Where the device uses host pointers as is the two are
+    equal; on ROCm they may differ."""
+
+    address: int
+    nbytes: int
+    device: int
+    flags: int
+    device_address: int
+    runtime: object = field(repr=False, compare=False)
+
+    def device_pointer(self, host_address: int) -> int:
+        """The device address of `host_address`, which must lie inside the registered range."""
+        if not self.address <= host_address <= self.address + self.nbytes:
+            raise ValueError(f"{host_address:#x} is outside the registered range {self.address:#x}+{self.nbytes}")
+        return self.device_address + (host_address - self.address)
+
+
+def page_range(address: int, nbytes: int, page: int = mmap.PAGESIZE) -> tuple[int, int]:
+    """(start, length) of the whole pages holding [address, address + nbytes)."""
+    start = address // page * page
+    end = -(-(address + nbytes) // page) * page
+    return start, end - start
+
+
+def registration_flags(access, portable: bool) -> int:
+    """Mapped always (kernels read the rows in place); ReadOnly where the device reports support
+    (the GPU never writes the table); Portable where this process drives several GPUs."""
+    flags = gpu_runtime.REGISTER_MAPPED
+    if access.read_only:
+        flags |= gpu_runtime.REGISTER_READ_ONLY
+    if portable:
+        flags |= gpu_runtime.REGISTER_PORTABLE
+    return flags
+
+
+def several_gpus_visible() -> bool:
+    """The Portable rule: more than one GPU visible to this process. Any of them may launch the
+    gather on the table (the op runs on the ids' device), and memory registered without
+    Portable counts as pinned only for the device current at registration."""
     import torch
 
-    cudart = cudart or torch.cuda.cudart()
-    # 0x2 = cudaHostRegisterMapped (hipHostRegisterMapped): device-addressable over UVA.
-    err = cudart.cudaHostRegister(address, nbytes, 0x2)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
-        raise EngramError(
-            f"registering {nbytes / 2**30:.2f} GiB of host table memory with the GPU failed (error {code}); "
-            f"the locked-memory limit (ulimit -l) is {limit}: raise it (docker run --ulimit memlock=-1) "
-            f"or choose placement device or disk"
-        )
+    return torch.cuda.device_count() > 1
 
 
-def unregister_from_gpu(address: int, cudart=None) -> None:
-    import torch
+def register_with_gpu(address: int, nbytes: int, *, device: int, runtime=None,
+                      portable: Optional[bool] = None) -> Registration:
+    """Page-lock and map the whole pages holding [address, address + nbytes) for `device`, under
+    a guard that makes `device` current (the runtime registers for the current device), and
+    return the device address kernels read them by. Refuses, in one line, a device that can
+    map no host memory; a registration failure names the size and the locked-memory limit."""
+    if runtime is None:
+        runtime, why = gpu_runtime.try_current()
+        if runtime is None:
+            raise EngramError(f"placement host: cannot register table memory with the GPU: {why}; "
+                              f"choose placement device or disk")
+    if portable is None:
+        portable = several_gpus_visible()
+    start, length = page_range(address, nbytes)
+    with runtime.device_guard(device):
+        access = gpu_runtime.host_access(runtime, device)
+        if not access.mapped:
+            raise EngramError(f"placement host: {runtime.vendor} device {device} cannot map host memory into its "
+                              f"address space (can_map_host_memory = 0): choose placement device or disk")
+        flags = registration_flags(access, portable)
+        code = runtime.host_register(start, length, flags)
+        if code != 0:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
+            raise EngramError(
+                f"registering {length / 2**30:.2f} GiB of host table memory with the GPU failed (error {code}); "
+                f"the locked-memory limit (ulimit -l) is {limit}: raise it (docker run --ulimit memlock=-1) "
+                f"or choose placement device or disk"
+            )
+        try:
+            device_address = runtime.host_device_pointer(start)
+        except gpu_runtime.GpuRuntimeError as e:
+            runtime.host_unregister(start)
+            raise EngramError(f"placement host: {runtime.vendor} device {device} gives no device address for "
+                              f"registered host memory ({e}): choose placement device or disk") from None
+    return Registration(start, length, device, flags, device_address, runtime)
 
-    cudart = cudart or torch.cuda.cudart()
-    cudart.cudaHostUnregister(address)
+
+def unregister_from_gpu(registration: Registration) -> None:
+    runtime = registration.runtime
+    with runtime.device_guard(registration.device):
+        runtime.host_unregister(registration.address)

@@ -118,7 +118,7 @@ int engram_cuda_gather_dequant(const void* table, const void* ids, int id_bytes,
     if ((reinterpret_cast<uintptr_t>(table) & 7u) || (reinterpret_cast<uintptr_t>(out) & 15u))
         return engram::kMisaligned;
     const int64_t blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
-    if (blocks > 0x7FFFFFFF) return engram::kBadArgument;  // 6.8e10 rows: beyond any batch
+    if (blocks > 0x7FFFFFFF) return engram::kBadArgument;  // CUDA's grid x limit (6.8e10 rows)
     const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const uint8_t* t = static_cast<const uint8_t*>(table);

@@ -111,7 +111,8 @@ int engram_hip_gather_dequant(const void* table, const void* ids, int id_bytes, 
     if ((reinterpret_cast<uintptr_t>(table) & 7u) || (reinterpret_cast<uintptr_t>(out) & 15u))
         return engram::kMisaligned;
     const int64_t blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
-    if (blocks > 0x7FFFFFFF) return engram::kBadArgument;
+    // HIP launches at most 2^32 - 1 threads in a grid dimension (grid x block): 5.4e8 rows.
+    if (blocks > int64_t{0xFFFFFFFF} / kBlockThreads) return engram::kBadArgument;
     const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
     hipStream_t s = static_cast<hipStream_t>(stream);
     const uint8_t* t = static_cast<const uint8_t*>(table);
