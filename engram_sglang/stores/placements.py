@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import fileio
 from ..errors import EngramError
 from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
@@ -92,8 +94,15 @@ class HostStore(TableStore):
             # maps the same file and reads its own row range of it.
             shm_dir = Path(shm_dir)
             need = rows * ROW_BYTES
-            free = hostmem.shm_free_bytes(shm_dir) if shm_dir.is_dir() else 0
+            if not shm_dir.is_dir():  # a typo must not quietly cost one copy per rank
+                raise EngramError(f"{shm_dir}: the shared host table's directory (ENGRAM_SHM_DIR) does not exist or is "
+                                  f"not a directory; give an existing tmpfs such as /dev/shm, or turn sharing off")
+            free = hostmem.shm_free_bytes(shm_dir)
             name = f"engram-{fingerprint}-layer{layer_id}.rows"
+            for p in (shm_dir / name, shm_dir / (name + ".lock")):
+                mode = os.stat(p).st_mode if p.exists() else None
+                if mode is not None and not stat.S_ISREG(mode):
+                    raise EngramError(f"{p}: is {fileio.kind_of(mode)}, not a shared table file; remove it")
             if (shm_dir / name).exists() or free >= need:
                 shm_path = shm_dir / name
             else:
