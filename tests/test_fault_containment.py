@@ -147,7 +147,7 @@ def test_scheduler_aborts_exactly_the_failed_requests(monkeypatch):
             return {7: "engram layer 3: /t/layer-3.rows: reading 1 of 9 rows failed after 3 tries: Input/output error"}
 
     monkeypatch.setattr(faults, "active_runtimes", lambda: [Runtime()])
-    reqs = [SimpleNamespace(req_pool_idx=i, to_finish=None, finished=lambda: False) for i in (5, 7, 9)]
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=i), to_finish=None, finished=lambda: False) for i in (5, 7, 9)]
     assert faults.abort_failed_requests(SimpleNamespace(tp_size=1), SimpleNamespace(reqs=reqs)) == 1
     assert reqs[0].to_finish is None and reqs[2].to_finish is None
     reason = reqs[1].to_finish

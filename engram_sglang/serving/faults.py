@@ -38,7 +38,7 @@ def abort_failed_requests(scheduler, batch) -> int:
     if not failed and tp <= 1:
         return 0
     reqs = list(getattr(batch, "reqs", None) or [])
-    flags = torch.tensor([1 if r.req_pool_idx in failed else 0 for r in reqs], dtype=torch.int32)
+    flags = torch.tensor([1 if _slot(r) in failed else 0 for r in reqs], dtype=torch.int32)
     group = getattr(scheduler, "tp_cpu_group", None)
     if tp > 1 and group is not None and reqs and _reads_on_host(runtimes):
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -49,7 +49,7 @@ def abort_failed_requests(scheduler, batch) -> int:
     aborted = 0
     for req, flag in zip(reqs, flags.tolist()):
         if flag and not req.finished():
-            reason = failed.get(req.req_pool_idx, "engram: a table read failed on another tensor-parallel rank")
+            reason = failed.get(_slot(req), "engram: a table read failed on another tensor-parallel rank")
             req.to_finish = FINISH_ABORT(f"{reason} (request aborted; the server keeps serving)",
                                          HTTPStatus.INTERNAL_SERVER_ERROR, ERROR_TYPE)
             aborted += 1
@@ -59,3 +59,9 @@ def abort_failed_requests(scheduler, batch) -> int:
 
 def _reads_on_host(runtimes) -> bool:
     return any(s.needs_host_ids for r in runtimes for s in r.stores.values())
+
+
+def _slot(req) -> int:
+    """A request's req_to_token row (SGLang 0.5.23 keeps it on the request's KV record)."""
+    kv = getattr(req, "kv", None)
+    return kv.req_pool_idx if kv is not None else req.req_pool_idx
