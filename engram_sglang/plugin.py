@@ -20,7 +20,9 @@ What it installs:
 * per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV
   pool's per-token cost and allocated right after the pool, before CUDA-graph capture;
 * CUDA graphs off, with one line, for a placement that reads row ids on the host (disk)
-  and for the per-step trace: serving/graphs.py.
+  and for the per-step trace: serving/graphs.py;
+* the stores' host work (hot-row cache maintenance, statistics) after each forward step,
+  outside any CUDA graph (stores/maintenance.py).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def load() -> None:
     _after_import("sglang.srt.models.deepseek_v4", _skip_deepseek_engram_tensors)
     _after_import("sglang.srt.managers.scheduler", _read_ahead_prefill_chunks)
     _after_import("sglang.srt.model_executor.pool_configurator", _count_engram_bytes_per_kv_token)
-    _after_import("sglang.srt.model_executor.model_runner", _allocate_engram_buffers_with_kv_pool)
+    _after_import("sglang.srt.model_executor.model_runner", _patch_model_runner)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -153,6 +155,29 @@ def _allocate_engram_buffers_with_kv_pool(module) -> None:
         return out
 
     wrap_method(module.ModelRunner, "_init_post_memory_pool_components", _init_post_memory_pool_components)
+
+
+def _patch_model_runner(module) -> None:
+    _allocate_engram_buffers_with_kv_pool(module)
+    _maintain_between_steps(module)
+
+
+def _maintain_between_steps(module) -> None:
+    """Host work of the stores (hot-row cache admission, statistics from device counters,
+    the stats file) runs after each forward step, never inside it: `ModelRunner.forward`
+    runs for eager and replayed steps alike and is never captured (SGLang captures the
+    model's forward), so replays count and no capture ever syncs (stores/maintenance.py)."""
+
+    def forward(original, self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        # Every store registers there when it opens: not imported yet, nothing to do (a
+        # model without Engram layers never imports the stores).
+        steps = sys.modules.get("engram_sglang.stores.maintenance")
+        if steps is not None:
+            steps.between_steps()
+        return out
+
+    wrap_method(module.ModelRunner, "forward", forward)
 
 
 def _report_internal_state(module) -> None:

@@ -16,7 +16,7 @@ from engram_sglang import rowformat
 from engram_sglang.errors import EngramError
 from engram_sglang.hashing import EngramLayout
 from engram_sglang.rowformat import ROW_BYTES, bf16_bits
-from engram_sglang.stores import open_store
+from engram_sglang.stores import maintenance, open_store
 from engram_sglang.stores.cache import HotRowCache, RowDirectory, plan_slots, wrap_stores
 from engram_sglang.tablefile import write_tables
 
@@ -74,6 +74,7 @@ def test_cached_reads_are_bit_exact_and_hit(tables, rng, placement, dtype):
             before = cache.directory.find(ids.reshape(-1).long())[0].sum().item()
             out = None if call % 3 else torch.empty(83, 24, 256, dtype=torch.bfloat16)
             got = cache.gather(ids, out=out)
+            maintenance.between_steps()  # as the serving layer does after each forward step
             assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[LAYER], ids))), f"call {call}"
             hits_seen += before
         s = cache.stats()
@@ -95,6 +96,7 @@ def test_hits_come_from_the_cached_rows(tables, rng):
         ids = torch.tensor([5, 5, 7, 9])
         for _ in range(3):
             cache.gather(ids)
+            maintenance.between_steps()
         hit, slot = cache.directory.find(torch.tensor([5, 11]))
         assert hit.tolist() == [True, False]
         cache.cache_rows[slot[0]] ^= 1
@@ -115,6 +117,7 @@ def test_tensor_parallel_shards_sum_to_the_full_rows(tables, rng, placement):
         for _ in range(4):
             ids = skewed_ids(rng, (64, 24))
             parts = [r[LAYER].gather(ids) for r in ranks]
+            maintenance.between_steps()
             for r, part in zip(ranks, parts):
                 lo, hi = r[LAYER].row_range
                 assert torch.equal(bf16_bits(part), bf16_bits(reference(rows[LAYER], ids, lo, hi)))
@@ -140,11 +143,13 @@ def test_disk_misses_are_read_once_and_admitted_without_rereading(tables, rng, m
     try:
         ids = torch.tensor([[3, 3, 3, 40], [40, 41, 3, 3]])
         got = cache.gather(ids)  # all miss: one read of the distinct rows; then maintenance admits
+        maintenance.between_steps()
         assert [r.tolist() for r in reads] == [[3, 40, 41]]
         assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[LAYER], ids)))
         assert cache.stats()["lower_rows_read"] == 3
-        cache.gather(ids)
-        cache.gather(ids)
+        for _ in range(2):
+            cache.gather(ids)
+            maintenance.between_steps()
         assert cache.directory.find(torch.tensor([3, 40, 41]))[0].all()  # hits since the first maintenance
         assert len(reads) == 1  # admitted after the first call from the rows it read: no read since
     finally:
@@ -364,19 +369,27 @@ def test_aging_is_decided_at_maintenance_from_the_device_read_count():
 
 
 def test_store_counts_come_from_the_device(tables, rng):
-    """Stats and metrics read the directory's device counters; the store's maintenance
-    cadence counts eager calls only."""
+    """Stats and metrics read the directory's device counters; maintenance follows the
+    steps (between_steps calls), never the calls: a gather does not maintain."""
     table_dir, _ = tables
     stores = open_cached(table_dir, "host", maintain_every=3)
     cache = stores[LAYER]
     try:
         for _ in range(7):
             cache.gather(skewed_ids(rng, (16, 24)))
+            maintenance.between_steps()
         s = cache.stats()
         assert s["cache_lookups"] == 7 and s["cache_reads"] == 7 * 16 * 24 and s["cache_maintenances"] == 2
+        assert s["calls"] == 7 and s["rows_served"] == 7 * 16 * 24
         cache.directory.lookup(torch.tensor([1, 2]))  # as a replayed graph would: no Python of the store
         s = cache.stats()
         assert s["cache_lookups"] == 8 and s["cache_reads"] == 7 * 16 * 24 + 2 and s["cache_maintenances"] == 2
+        for _ in range(5):
+            cache.gather(skewed_ids(rng, (16, 24)))  # no step ends: no maintenance
+        assert cache.stats()["cache_maintenances"] == 2
+        maintenance.between_steps()
+        maintenance.between_steps()  # the 9th step
+        assert cache.stats()["cache_maintenances"] == 3
     finally:
         for st in stores.values():
             st.close()
@@ -477,6 +490,7 @@ def test_metrics_report_hits(tables, rng):
         h0, r0 = value("engram_cache_hits_total"), value("engram_cache_reads_total")
         for _ in range(5):
             cache.gather(skewed_ids(rng, (32, 24)))
+            maintenance.between_steps()
         s = cache.stats()
         assert value("engram_cache_reads_total") - r0 == s["cache_reads"]
         assert value("engram_cache_hits_total") - h0 == s["cache_hits"] > 0

@@ -258,9 +258,14 @@ class TableStore(ABC):
     # ------------------------------------------------------- between steps
     maintain_every = maintenance.DEFAULT_EVERY  # steps between two maintenances; 0: only when called
 
+    _steps_seen = 0
+
     def between_steps(self, step: int) -> None:
-        """Called by `maintenance.between_steps()` once per forward step, outside any graph."""
-        if self.maintain_every and step % self.maintain_every == 0:
+        """Called by `maintenance.between_steps()` once per forward step, outside any graph:
+        maintains every `maintain_every` steps since this store opened (the stores of a
+        model open together, so their maintenances fall on the same steps)."""
+        self._steps_seen += 1
+        if self.maintain_every and self._steps_seen % self.maintain_every == 0:
             self.maintain()
 
     def maintain(self) -> int:

@@ -7,6 +7,7 @@ call's unique rows. So the bits are the same by construction, and the tests chec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -26,9 +27,10 @@ from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, rowio
-from .base import TableIOError, TableStore
+from .base import Prefetch, TableIOError, TableReadFault, TableStore
 from .dram_cache import DramRowCache
 from .metrics import METRICS
+from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +65,7 @@ class DeviceStore(TableStore):
 
     def _gather(self, ids, out):
         rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend)
-        METRICS.served(self, ids.numel())
-        return rows, None
+        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 
 
 class HostStore(TableStore):
@@ -136,8 +137,7 @@ class HostStore(TableStore):
 
     def _gather(self, ids, out):
         rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend, self.table_address)
-        METRICS.served(self, ids.numel())
-        return rows, None
+        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 
     def stats(self) -> dict:
         s = super().stats()
@@ -203,6 +203,7 @@ class DiskStore(TableStore):
             self._map.madvise(mmap.MADV_RANDOM)  # a miss reads its page, not an 8 MiB window
             self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data + DATA_OFFSET
         self._read_latencies: deque[float] = deque(maxlen=4096)  # recent calls, for stats()
+        self._staging: Optional[StagingPool] = None  # pinned double buffer (GPU prefetch)
 
     @property
     def resident_bytes(self) -> int:
@@ -219,40 +220,130 @@ class DiskStore(TableStore):
         return s
 
     def _gather(self, ids, out):
-        # The ids visit the host once per call: the reads need them there. The index work is
-        # numpy's: on a decode step's few hundred ids torch's per-op overhead dominated.
+        # The ids visit the host once per call: the reads need them there (on a GPU,
+        # `.to("cpu")` on the caller's stream waits for the kernel that made them).
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
-        uniq, inverse = np.unique(flat, return_inverse=True)  # sorted: neighbours share pages
-        # Sorted ids: this shard's rows are one slice.
-        first, end = np.searchsorted(uniq, self.row_range)
-        wanted = uniq[first:end]
-        # Staging index of each id; ids outside the shard point one past the staged rows,
-        # which the op's row_range turns into +0.0 rows.
-        local = inverse.reshape(-1) - first
-        local[(local < 0) | (local >= wanted.shape[0])] = wanted.shape[0]
-        t0 = time.perf_counter()
-        staging = self.read_packed(wanted)
-        seconds = time.perf_counter() - t0
-        self._read_latencies.append(seconds)
-        METRICS.read(self, wanted.shape[0], seconds)
+        wanted, local = self._plan(flat)
+        fault = None
+        try:
+            staging = self._timed_read(wanted)
+        except TableReadFault as e:
+            fault, staging = e, e.packed
         table = torch.from_numpy(staging).to(self.device)
         local = torch.from_numpy(local).view(ids.shape).to(self.device)
         rows = _decode(table, local, out, (0, wanted.shape[0]), self.backend)
         METRICS.served(self, ids.numel(), unique=wanted.shape[0])
+        if fault is not None:
+            fault.rows = rows
+            raise fault
         return rows, wanted.shape[0]
 
-    def read_packed(self, wanted: np.ndarray) -> np.ndarray:
+    def _plan(self, flat: np.ndarray, local_out: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted distinct ids of this shard, staging index of each id). Ids outside the
+        shard point one past the staged rows, which the op's row_range turns into +0.0 rows.
+        The index work is numpy's: on a decode step's few hundred ids torch's per-op
+        overhead dominated."""
+        uniq, inverse = np.unique(flat, return_inverse=True)  # sorted: neighbours share pages
+        first, end = np.searchsorted(uniq, self.row_range)  # sorted ids: this shard's rows are one slice
+        wanted = uniq[first:end]
+        local = np.subtract(inverse.reshape(-1), first, out=local_out)
+        local[(local < 0) | (local >= wanted.shape[0])] = wanted.shape[0]
+        return wanted, local
+
+    def _timed_read(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        t0 = time.perf_counter()
+        staging = self.read_packed(wanted, out=out)
+        seconds = time.perf_counter() - t0
+        self._read_latencies.append(seconds)
+        METRICS.read(self, wanted.shape[0], seconds)
+        return staging
+
+    # ----------------------------------------------- prefetch on a GPU: host half, stream half
+    def _prefetch_host_ids(self, ids: torch.Tensor, streams) -> Prefetch:
+        """The caller's stream copies the ids into pinned memory and records an event; a
+        worker thread waits for it on the host, reads the packed rows into the slot's pinned
+        staging (file I/O only, no stream work); `wait()` copies them to the device and
+        decodes them on the consumer's stream."""
+        if self._staging is None:
+            self._staging = StagingPool(streams)
+        slot = self._staging.acquire()
+        try:
+            n = ids.numel()
+            ready = None
+            if streams.on_device(ids):
+                host_ids = slot.buffer("ids", (n,), torch.int64)
+                streams.to_host(ids.reshape(-1), host_ids)  # on the stream that made the ids
+                ready = streams.record_event(streams.current())
+            else:
+                host_ids = ids.reshape(-1).to(torch.int64)
+            future = self._worker_thread().submit(self._stage, slot, host_ids, ready, tuple(ids.shape))
+        except BaseException:
+            self._staging.free(slot)
+            raise
+        return Prefetch(future=future, finish=self._finish_staged, discard=self._discard_staged)
+
+    def _stage(self, slot, host_ids: torch.Tensor, ready, shape: tuple) -> "_Staged":
+        """Worker thread: the packed rows of the ids into pinned staging."""
+        try:
+            t0 = time.perf_counter()
+            if ready is not None:
+                self._streams.synchronize_event(ready)  # the ids' copy has landed
+            slot.wait_free()  # the GPU no longer copies out of this slot's buffers
+            flat = host_ids.numpy()
+            if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
+                bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
+                raise EngramError(f"layer {self.layer_id}: row id {bad} is outside the table's {self.rows} rows")
+            local = slot.buffer("local", (flat.shape[0],), torch.int64)
+            wanted, _ = self._plan(flat, local_out=local.numpy())
+            # One row at least: a table of no rows has no valid strides (every id is out of range then).
+            packed = slot.buffer("packed", (max(1, wanted.shape[0]), ROW_BYTES), torch.uint8)
+            fault = None
+            try:
+                self._timed_read(wanted, out=packed.numpy()[: wanted.shape[0]])
+            except TableReadFault as e:  # the rows read are in `packed`, the failed ones +0
+                fault = e
+            return _Staged(slot, packed, local, shape, int(wanted.shape[0]), time.perf_counter() - t0, fault)
+        except BaseException:
+            self._staging.free(slot)
+            raise
+
+    def _finish_staged(self, staged: "_Staged") -> torch.Tensor:
+        """Consumer's thread and stream: copy the staged rows in, decode them there."""
+        streams = self._streams
+        try:
+            table = streams.to_device(staged.packed)
+            local = streams.to_device(staged.local)
+            copied = streams.record_event(streams.current())
+        except BaseException:
+            self._staging.free(staged.slot)
+            raise
+        self._staging.free(staged.slot, copied)
+        t0 = time.perf_counter()
+        rows = _decode(table, local.view(staged.shape), None, (0, staged.unique), self.backend)
+        METRICS.served(self, local.numel(), unique=staged.unique)
+        self._account(local.numel(), staged.seconds + time.perf_counter() - t0, staged.unique)
+        if staged.fault is not None:
+            staged.fault.rows = rows
+            raise staged.fault
+        return rows
+
+    def _discard_staged(self, staged: "_Staged") -> None:
+        """A released handle: nothing was queued on a stream, the slot is free as it is."""
+        self._staging.free(staged.slot)
+
+    def read_packed(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Packed rows [n, 264] of sorted distinct global row ids (all inside this file),
-        from the DRAM cache where it holds them, else from the file (then admitted)."""
+        from the DRAM cache where it holds them, else from the file (then admitted);
+        written into `out` (uint8 [n, 264], e.g. pinned staging) when given."""
         wanted = np.ascontiguousarray(wanted, dtype=np.int64)
         if self.dram is None or wanted.shape[0] == 0:
-            staging = self._read_file(wanted)
+            staging = self._read_file(wanted, out=out)
             self._file_rows += wanted.shape[0]
             return staging
         if self._admission is not None:  # the previous call's admissions (done by now, normally)
             self._admission.result()
             self._admission = None
-        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8) if out is None else out
         # Big calls (prefill chunks) overlap: the misses' reads start first and the hits are
         # copied while they are in flight; admission runs after the call returns. For a
         # decode step's few thousand rows two thread hand-offs cost more than they save
@@ -267,9 +358,21 @@ class DiskStore(TableStore):
             self.dram.copy_hits(slot, hit, staging)  # under the lock: no admission reuses a slot meanwhile
         if not missed.shape[0]:
             return staging
-        got = reading.result() if reading is not None else self._read_file(missed)
-        staging[~hit] = got
+        fault = None
+        try:
+            got = reading.result() if reading is not None else self._read_file(missed)
+        except TableReadFault as e:  # admit what was read, never the failed rows
+            fault, got = e, e.packed
+            keep = ~np.isin(missed, e.failed_ids)
+            missed, got = missed[keep], got[keep]
+            staging[~hit] = e.packed
+        else:
+            staging[~hit] = got
         self._file_rows += missed.shape[0]
+        if fault is not None:
+            self._admit(missed, got)
+            fault.packed = staging
+            raise fault
         if overlap:
             # The next call waits for it only if it is not done.
             self._admission = self._worker("_admitter", "admit").submit(self._admit, missed, got)
@@ -321,9 +424,9 @@ class DiskStore(TableStore):
             logger.warning("engram layer %d: read-ahead of %d rows failed: %s", self.layer_id, wanted.shape[0], e)
             return 0
 
-    def _read_file(self, wanted: np.ndarray) -> np.ndarray:
-        """Packed rows [n, 264] of sorted distinct row ids, read from the file."""
-        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+    def _read_file(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Packed rows [n, 264] of sorted distinct row ids, read from the file (into `out`)."""
+        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8) if out is None else out
         if wanted.shape[0] == 0:
             return staging
         size = os.fstat(self._fd).st_size
@@ -355,9 +458,21 @@ class DiskStore(TableStore):
                            _strerror(err), attempt + 1, self.retries + 1)
             time.sleep(0.01 * (attempt + 1))
         METRICS.error(self)
-        raise TableIOError(
-            f"{self.path}: reading row {int(wanted[failed])} failed after {self.retries + 1} tries: {_strerror(err)}"
-        )
+        # Which rows fail? One read each (an error path only): the others are served, the
+        # requests that needed a failed row are failed by the caller.
+        bad = np.zeros(wanted.shape[0], dtype=bool)
+        for k in range(wanted.shape[0]):
+            e, _ = rowio.pread_rows(self._fd, DATA_OFFSET, wanted[k:k + 1], staging[k:k + 1], 1, self.direct)
+            if e != 0:
+                bad[k], err = True, e
+        staging[bad] = 0
+        failed_ids = wanted[bad]
+        if not failed_ids.shape[0]:  # the fault went away between the tries and the classification
+            return staging
+        raise TableReadFault(
+            f"{self.path}: reading {failed_ids.shape[0]} of {wanted.shape[0]} rows (first: row {int(failed_ids[0])}) "
+            f"failed after {self.retries + 1} tries: {_strerror(err)}",
+            failed_ids=failed_ids, errno_=max(err, 0), packed=staging)
 
     def describe(self) -> str:
         how = (("O_DIRECT native AIO" if self._aio else "O_DIRECT preads") if self.direct
@@ -388,6 +503,19 @@ class DiskStore(TableStore):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@dataclasses.dataclass
+class _Staged:
+    """What a worker staged for one prefetch: pinned packed rows and each id's staging index."""
+
+    slot: object
+    packed: torch.Tensor  # uint8 [max(1, unique), 264], pinned
+    local: torch.Tensor  # int64 [n], pinned
+    shape: tuple
+    unique: int
+    seconds: float
+    fault: Optional[TableReadFault] = None
 
 
 def _strerror(err: int) -> str:

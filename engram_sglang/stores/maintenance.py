@@ -1,0 +1,90 @@
+"""Host work between forward steps, outside any CUDA graph: one entry, `between_steps()`.
+
+A forward step may be the replay of a captured CUDA graph, which runs no Python and must
+not wait for the device. So nothing a store does inside a gather syncs with the host or
+advances Python state (its counters are device tensors, advanced in place), and whatever
+needs the host waits here: a hot-row cache's admission and eviction, reading the device
+counters into statistics and Prometheus metrics, the runtime's stats file.
+
+* The serving layer calls `between_steps()` once per forward step, outside any graph (the
+  plugin wraps SGLang's `ModelRunner.forward`, which runs for eager and replayed steps
+  alike and is never itself captured: SGLang captures `model.forward`).
+* Participants register themselves, weakly: every TableStore when it opens, and the
+  serving runtime (`last=True`: it reads what the stores have just brought up to date).
+  Each gets `between_steps(step)` on every step and does its host work when its cadence
+  says so; with one cadence for all (the default), the syncs of every layer fall on the
+  same step: one pipeline bubble per `DEFAULT_EVERY` steps, not one per layer.
+* Cost (bench/maintenance.py, CPU): see `DEFAULT_EVERY`. On a GPU the host sync that
+  starts a maintenance also ends the overlap of that one step (SGLang's overlap scheduler
+  prepares step n+1 while step n runs); every 8th step, not every step.
+* Standalone use (tests, benches): call `between_steps()` after each step, or a store's
+  own `maintain()`; a gather never maintains by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Steps between two maintenances. Every 8 steps: a hot-row cache's maintenance at decode
+# size (256 tokens x 24 ids per layer) costs ~2 ms of host time per layer at N = 8 (about
+# 0.3 ms per step amortized; bench/maintenance.py), hit rates at 1, 4 and 8 are within a
+# point (bench/cache.py), and 8 x 6144 missed ids fit the ring of 2^17 that remembers
+# them (at 32 the ring would wrap and forget the oldest misses).
+DEFAULT_EVERY = 8
+
+_lock = threading.Lock()
+_first: "weakref.WeakSet" = weakref.WeakSet()  # stores
+_last: "weakref.WeakSet" = weakref.WeakSet()  # what reads the stores (the runtime's stats file)
+_step = 0
+
+
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (never where CUDA was
+    not initialized: torch's query itself fails on a machine without a driver)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def register(participant, *, last: bool = False) -> None:
+    """Call `participant.between_steps(step)` once per step from now on (until it is
+    collected or unregistered)."""
+    with _lock:
+        (_last if last else _first).add(participant)
+
+
+def unregister(participant) -> None:
+    with _lock:
+        _first.discard(participant)
+        _last.discard(participant)
+
+
+def participants() -> list:
+    with _lock:
+        return list(_first) + list(_last)
+
+
+def steps() -> int:
+    """Steps seen so far by `between_steps()` in this process."""
+    return _step
+
+
+def between_steps() -> int:
+    """One forward step is done: run every participant's between-steps work that is due.
+    Returns the step number (0, nothing run, when called inside a graph capture: that is
+    not between steps, and whatever syncs would break the capture)."""
+    global _step
+    if capturing():
+        logger.debug("between_steps() called inside a CUDA-graph capture: skipped")
+        return 0
+    with _lock:
+        _step += 1
+        step = _step
+        todo = list(_first) + list(_last)
+    for p in todo:
+        p.between_steps(step)
+    return step
