@@ -5,7 +5,7 @@ no SGLang and no network: it loads the prebuilt torch-free libraries from build/
 (libengram_cuda.so / libengram_hip.so, carried with the tree) with ctypes, and this repo's
 Triton kernel module by file path, so it needs neither `pip install` nor the package's other
 dependencies. Checks, bit for bit against an oracle computed here on the CPU from the
-definitions (docs/engram-spec.md section 4):
+definitions (docs/engram.md section 4):
 
   1. every backend (native, Triton; the package op when it imports) from HBM and from host
      memory registered with cudaHostRegister (read in-kernel over UVA), int32 and int64 ids,

@@ -3,7 +3,7 @@
 The public names below are imported on first use, not here: SGLang imports this package
 in every one of its processes (main, scheduler, detokenizer) to reach `plugin.load`, and
 that must not register the gather op, open the stores' modules or create Prometheus
-collectors (docs/architecture.md, "Import-time rules").
+collectors (docs/architecture.md, "Import time").
 """
 
 from __future__ import annotations

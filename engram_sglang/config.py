@@ -43,7 +43,7 @@ def configs_dir() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class EngramConfig:
-    """Engram fields of a model (see docs/engram-spec.md section 2).
+    """Engram fields of a model (see docs/engram.md section 2).
 
     Attributes
     ----------

@@ -1,4 +1,4 @@
-"""The Engram layer in the paper's form (docs/engram-spec.md §5), in plain PyTorch.
+"""The Engram layer in the paper's form (docs/engram.md §5), in plain PyTorch.
 
 For token t with retrieved rows e_t (every hash column of every n-gram order, concatenated):
 

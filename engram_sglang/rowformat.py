@@ -4,7 +4,7 @@ One row is one contiguous run of memory (one read on disk for 93.75% of rows), u
 checkpoint's two arrays. This module is the torch reference of the format: every gather
 backend must return exactly `dequantize`'s bf16 bits (NaNs aside, which are canonical).
 
-Decoding (docs/engram-spec.md §4): value = fp32(e4m3fn byte) * 2^(scale byte - 127), with
+Decoding (docs/engram.md §4): value = fp32(e4m3fn byte) * 2^(scale byte - 127), with
 scale byte 0 = 2^-127 (an fp32 denormal; never flushed) and 0xFF = NaN, rounded once to
 bf16 (round to nearest even); every zero is written +0.0 so row-range shards summed over
 ranks reproduce the unsharded bits.

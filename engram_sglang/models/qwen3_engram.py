@@ -147,7 +147,7 @@ class Qwen3EngramModel(nn.Module):
 
 
 class Qwen3EngramForCausalLM(nn.Module):
-    """Qwen3 + Engram (docs/engram-spec.md §5) served by SGLang with engram-sglang's stores."""
+    """Qwen3 + Engram (docs/engram.md §5) served by SGLang with engram-sglang's stores."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Start and stop a real `sglang.launch_server` (the demo, the tests and bench/serve.py use it).
 
 On a machine without a GPU it adds what SGLang 0.5.23 needs to serve on the CPU
-(docs: ../shared/docs/sglang-on-cpu.md): SGLANG_USE_CPU_ENGINE=1, `--device cpu
+(docs/operations.md, "Serving without a GPU"): SGLANG_USE_CPU_ENGINE=1, `--device cpu
 --attention-backend torch_native`, and the pure-torch `sgl_kernel` stand-in
 (`cpu_shim/`) first on PYTHONPATH, for that process tree only. The server runs in its own
 process group, so stopping it leaves nothing behind.

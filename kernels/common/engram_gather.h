@@ -1,7 +1,7 @@
 // engram_gather.h: the one gather-and-dequantize logic for packed Engram rows.
 //
 // A packed row is 264 bytes: 256 fp8 e4m3fn (OCP) values, then 8 e8m0 block scales, scale k
-// for values 32k..32k+31 (docs/engram-spec.md section 4). Every backend (CUDA, HIP, the host
+// for values 32k..32k+31 (docs/engram.md section 4). Every backend (CUDA, HIP, the host
 // library; Triton and torch mirror it in Python) computes
 //
 //     bf16 = round_to_nearest_even( fp32(e4m3fn(b)) * 2^(e - 127) ),  -0 written as +0
