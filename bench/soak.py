@@ -1,0 +1,564 @@
+"""Soak under faults: real `sglang.launch_server`, 32 streaming clients, read faults below the reader.
+
+For each placement (`disk`: O_DIRECT reads behind a small DRAM row cache, so reads keep
+going to the file; `host`: one shared copy in /dev/shm) it starts the demo model's server
+with `build/kernels/libengram_faults.so` preloaded (kernels/io/engram_faults.c: EIO bursts
+and stalls injected inside pread and native AIO, only on the table files, only while an arm
+file exists), warms it up, arms the faults, and runs `--clients` threads against
+127.0.0.1 for `--minutes`: each sends greedy streaming requests (mixed prompt lengths and
+lengths of completion) and either reads them to the end, disconnects mid-stream, or aborts
+them through /abort_request. Meanwhile it samples RSS, open file descriptors and shared
+memory of every server process from /proc.
+
+Afterwards every token any request received is checked against the demo model's reference
+forward (teacher-forced: one forward per distinct completion proves it is the greedy one),
+and the report says: requests by outcome, faults injected (the library's own counters),
+read attempts the store retried, calls that failed after their retries, requests that
+failed with an error finish reason while the server kept serving ("contained"), wrong
+tokens, p50/p99 latency, and RSS / fds / shm growth between the steady part's start and
+the end of the run.
+
+Faults by default are ones the disk store's retries absorb (a burst of `--eio-burst` failed
+reads every `--eio-gap-ms`, fewer than its tries): served tokens must stay exact and no
+request may fail. `--hard-faults` injects outages of `--hard-burst-ms` that outlast every
+retry: a read then fails for real, and the report counts the requests that failed and
+whether the server survived them.
+
+Prints a table, writes OUT/NAME.json and OUT/NAME.png (RSS, fds, shm and latency over time).
+
+    python bench/soak.py [--minutes 2] [--placements disk,host] [--clients 32] [--hard-faults]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import OUT, machine, print_table  # noqa: E402
+
+from engram_sglang.serving.launch import Server, _group_members  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS_LIB = ROOT / "build" / "kernels" / "libengram_faults.so"
+PROMPT_LENGTHS = (3, 8, 16, 33, 64, 100, 150)
+NEW_TOKENS = (4, 8, 16, 32)
+REQUEST_TIMEOUT_S = 120.0  # one request, start to last chunk: a client never waits longer
+RETRIES = 2  # --engram-disk-retries of the soak's disk server
+
+
+# ------------------------------------------------------------------ workload
+def prompt_pool(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
+    """n (prompt ids, new tokens) pairs cut from offline text at seeded places."""
+    from engram_sglang.demo import demo_corpus
+
+    ids = tokenizer("\n".join(demo_corpus(200_000)[1:]))["input_ids"]
+    rng = random.Random(seed)
+    pool = []
+    for i in range(n):
+        length = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        start = rng.randrange(0, len(ids) - length)
+        pool.append((ids[start:start + length], NEW_TOKENS[(i // len(PROMPT_LENGTHS) + i) % len(NEW_TOKENS)]))
+    return pool
+
+
+@dataclass
+class Result:
+    client: int
+    item: int  # index into the pool
+    kind: str  # full | disconnect | abort
+    outcome: str = "lost"  # completed | disconnected | aborted | failed | lost | cut (by the soak's end)
+    output_ids: list = field(default_factory=list)
+    t_start: float = 0.0
+    t_first: Optional[float] = None
+    t_end: float = 0.0
+    message: str = ""
+
+
+def stream_request(port: int, rid: str, prompt: list[int], new: int, kind: str, cut: int, res: Result,
+                   live: dict, stop: threading.Event) -> None:
+    """One streaming /generate request; `kind` says whether the client reads it to the end,
+    closes the connection after `cut` chunks, or aborts it by rid after `cut` chunks. The
+    connection is in `live` while it is open: at the soak's end the main thread shuts it
+    down (outcome "cut"), so no client outlives the soak by a request."""
+    body = json.dumps({"input_ids": prompt, "rid": rid, "stream": True,
+                       "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S / 2)
+    deadline = res.t_start + REQUEST_TIMEOUT_S
+    try:
+        conn.connect()
+        live[res.client] = conn.sock
+        if stop.is_set():
+            raise ConnectionAbortedError("the soak ended")
+        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            res.outcome, res.message = "failed", f"HTTP {resp.status}: {resp.read(300).decode(errors='replace')}"
+            return
+        chunks, aborted = 0, False
+        while time.monotonic() < deadline:
+            line = resp.readline()
+            if not line:
+                if stop.is_set():
+                    res.outcome = "cut"
+                res.message = "stream ended without [DONE]"
+                return
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                break
+            out = json.loads(line[6:])
+            if "error" in out:
+                res.outcome, res.message = "failed", str(out["error"].get("message", out["error"]))[:300]
+                res.t_end = time.monotonic()
+                return
+            res.output_ids = list(out.get("output_ids") or res.output_ids)  # cumulative (SGLang's default)
+            if res.t_first is None and res.output_ids:
+                res.t_first = time.monotonic()
+            chunks += 1
+            finish = (out.get("meta_info") or {}).get("finish_reason")
+            if finish:
+                res.t_end = time.monotonic()
+                if finish.get("type") == "abort":
+                    res.outcome = "aborted" if aborted else "failed"
+                    res.message = str(finish.get("message", ""))[:300]
+                else:
+                    res.outcome = "completed" if len(res.output_ids) == new else "failed"
+                continue
+            if kind == "disconnect" and chunks >= cut:
+                res.outcome, res.t_end = "disconnected", time.monotonic()
+                return  # the finally closes the socket mid-stream
+            if kind == "abort" and chunks >= cut and not aborted:
+                aborted = True
+                abort = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                try:
+                    abort.request("POST", "/abort_request", body=json.dumps({"rid": rid}),
+                                  headers={"Content-Type": "application/json"})
+                    abort.getresponse().read()
+                finally:
+                    abort.close()
+        else:
+            res.message = f"no end after {REQUEST_TIMEOUT_S:.0f} s"
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        res.outcome, res.message = ("cut" if stop.is_set() else "lost"), f"{type(e).__name__}: {e}"[:300]
+    finally:
+        live.pop(res.client, None)
+        conn.close()
+        if not res.t_end:
+            res.t_end = time.monotonic()
+
+
+def client_loop(index: int, port: int, pool, stop: threading.Event, deadline: float, seed: int,
+                results: list, lock: threading.Lock, live: dict) -> None:
+    """Requests one after another until the deadline (or the server died)."""
+    rng = random.Random(seed * 1000 + index)
+    n = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        item = rng.randrange(len(pool))
+        prompt, new = pool[item]
+        roll = rng.random()
+        kind = "full" if roll < 0.7 else ("disconnect" if roll < 0.85 else "abort")
+        res = Result(client=index, item=item, kind=kind, t_start=time.monotonic())
+        stream_request(port, f"soak-{seed}-{index}-{n}", prompt, new, kind, rng.randrange(1, new), res, live, stop)
+        with lock:
+            results.append(res)
+        n += 1
+        if res.outcome == "lost":
+            stop.wait(0.5)  # the server may be gone: the sampler decides; do not spin
+
+
+# ------------------------------------------------------------------ /proc sampling
+def _status_kib(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _shm_paths(pid: int) -> set[str]:
+    """/dev/shm files a process holds open or mapped."""
+    paths = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/shm/"):
+                paths.add(target)
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                    paths.add(parts[5].strip().removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return paths
+
+
+def sample_processes(pgid: int) -> dict:
+    """RSS, shared-memory RSS and open fds summed over the server's processes, and the bytes
+    of the /dev/shm files they hold."""
+    rss = shm_rss = fds = 0
+    shm = set()
+    pids = _group_members(pgid)
+    for pid in pids:
+        rss += _status_kib(pid, "VmRSS")
+        shm_rss += _status_kib(pid, "RssShmem")
+        try:
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            pass
+        shm |= _shm_paths(pid)
+    shm_bytes = 0
+    for p in shm:
+        try:
+            shm_bytes += os.stat(p).st_size
+        except OSError:
+            pass
+    return {"procs": len(pids), "rss_mib": rss / 1024, "shm_rss_mib": shm_rss / 1024, "fds": fds,
+            "shm_files": len(shm), "shm_mib": shm_bytes / 2**20}
+
+
+def fault_counts(stats_dir: Path) -> dict:
+    """The fault library's counters, summed over every process that wrote some."""
+    total: dict = {}
+    for path in stats_dir.glob("faults-*.bin"):
+        data = path.read_bytes()
+        header = data[:256].split(b"\n", 1)[0].decode()
+        names = header.split("fields=", 1)[1].split(",")
+        for k, name in enumerate(names):
+            total[name] = total.get(name, 0) + int.from_bytes(data[256 + 8 * k:264 + 8 * k], "little")
+    return total
+
+
+# ------------------------------------------------------------------ one server
+def fault_env(args, stats_dir: Path, arm: Path) -> dict:
+    env = {"LD_PRELOAD": str(FAULTS_LIB), "ENGRAM_FAULTS_STATS_DIR": str(stats_dir), "ENGRAM_FAULTS_ARM": str(arm),
+           "ENGRAM_FAULTS_MATCH": ".rows", "ENGRAM_FAULTS_SEED": str(args.seed),
+           "ENGRAM_FAULTS_STALL_PROB": str(args.stall_prob), "ENGRAM_FAULTS_STALL_MS": str(args.stall_ms),
+           "ENGRAM_FAULTS_EIO_EVERY": "1"}
+    if args.hard_faults:
+        # An outage longer than every retry's back-off: calls that read during it fail.
+        env.update(ENGRAM_FAULTS_EIO_BURST_MS=str(args.hard_burst_ms), ENGRAM_FAULTS_EIO_GAP_MS=str(args.hard_gap_ms))
+    else:
+        env.update(ENGRAM_FAULTS_EIO_BURST=str(args.eio_burst), ENGRAM_FAULTS_EIO_GAP_MS=str(args.eio_gap_ms))
+    return env
+
+
+def placement_flags(name: str, args) -> dict:
+    if name == "disk":
+        return {"placement": "disk", "disk_direct": "on", "disk_dram_cache_mib": args.dram_cache_mib,
+                "disk_retries": RETRIES}
+    if name == "host":
+        return {"placement": "host", "host_shared": "on"}
+    raise SystemExit(f"soak: unknown placement {name!r} (expected disk or host)")
+
+
+def log_counts(log: Path) -> dict:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return {"read_retries": len(re.findall(r"failed \(.*\), try \d+ of \d+", text)),
+            "reads_failed_after_retries": len(re.findall(r"TableIOError", text)),
+            "tracebacks": text.count("Traceback (most recent call last)")}
+
+
+def run_placement(name: str, model_dir: Path, pool, args, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    stats_dir = work / "faults"
+    shutil.rmtree(stats_dir, ignore_errors=True)
+    stats_dir.mkdir()
+    arm = work / "faults.armed"
+    arm.unlink(missing_ok=True)
+    log = work / "sglang.log"
+    server = Server(model_dir, engram=placement_flags(name, args), max_total_tokens=8192, log_path=log,
+                    args=("--chunked-prefill-size", str(args.chunk)), env=fault_env(args, stats_dir, arm))
+    print(f"soak {name}: starting the server (log: {log})", flush=True)
+    t_boot = time.monotonic()
+    server.start()
+    times = {"boot_s": time.monotonic() - t_boot}
+    results: list[Result] = []
+    samples: list[dict] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    died_at = None
+    t0 = time.monotonic()
+    try:
+        # Warm-up, unarmed: every pool prompt once (fills the caches the steady state uses).
+        for prompt, new in pool[: args.warmup]:
+            server.generate(prompt, min(new, 4))
+        arm.touch()
+        t0 = time.monotonic()
+        times["warmup_s"] = t0 - t_boot - times["boot_s"]
+        deadline = t0 + args.minutes * 60
+        pgid = server.proc.pid
+        live: dict = {}  # client -> its open socket
+        threads = [threading.Thread(target=client_loop, args=(i, server.port, pool, stop, deadline, args.seed,
+                                                               results, lock, live), daemon=True)
+                   for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        print(f"soak {name}: {args.clients} clients for {args.minutes:g} min, faults armed", flush=True)
+        while time.monotonic() < deadline:
+            s = sample_processes(pgid)
+            s.update(t=time.monotonic() - t0, faults=fault_counts(stats_dir))
+            with lock:
+                s["requests"] = len(results)
+            samples.append(s)
+            if server.proc.poll() is not None:
+                died_at = s["t"]
+                print(f"soak {name}: the server died after {died_at:.0f} s", flush=True)
+                break
+            stop.wait(args.sample_s)
+        stop.set()
+        for sock in list(live.values()):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+        times["soak_s"] = time.monotonic() - t0
+        arm.unlink(missing_ok=True)
+        faults = fault_counts(stats_dir)
+        after = {"alive": server.proc.poll() is None}
+        if after["alive"]:
+            # Still serving: one more request after the faults, checked like the rest.
+            prompt, new = pool[0]
+            try:
+                out = server.generate(prompt, new)["output_ids"]
+                results.append(Result(client=-1, item=0, kind="full", outcome="completed", output_ids=out))
+                after["served_after"] = True
+                after["engram"] = server.engram_stats()
+            except Exception as e:  # noqa: BLE001 - reported, not raised: the soak's verdict
+                after.update(served_after=False, error=str(e)[:300])
+        else:
+            after["served_after"] = False
+        times["after_s"] = time.monotonic() - t0 - times["soak_s"]
+    finally:
+        stop.set()
+        t_stop = time.monotonic()
+        server.stop()
+        times["stop_s"] = time.monotonic() - t_stop
+    lat = sorted(r.t_end - r.t_start for r in results if r.outcome == "completed" and r.client >= 0)
+    ttft = sorted(r.t_first - r.t_start for r in results if r.t_first is not None and r.client >= 0)
+    return {"placement": name, "flags": placement_flags(name, args), "times": times, "died_at_s": died_at,
+            "after": after, "faults": faults, "log": log_counts(log), "samples": samples,
+            "latency_s": _percentiles(lat), "ttft_s": _percentiles(ttft),
+            "requests": [r.__dict__ for r in results], "t0": t0}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "p50": None, "p99": None}
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "p50": pick(0.5), "p99": pick(0.99), "max": values[-1]}
+
+
+# ------------------------------------------------------------------ checks
+def check_tokens(runs: list[dict], pool, model_dir: Path) -> None:
+    """Marks every request's tokens right or wrong against the reference forward: each distinct
+    completion of a pool item is teacher-forced once (every token must be the argmax after the
+    tokens before it); a completion that is a prefix of a checked one needs no forward."""
+    from engram_sglang.demo_model import TABLE_DIR_NAME
+    from engram_sglang.models.reference import ReferenceModel
+
+    ref = ReferenceModel(model_dir, model_dir / TABLE_DIR_NAME)
+    good: dict[int, list[list[int]]] = {}
+    bad: dict[int, list[list[int]]] = {}
+
+    def verdict(item: int, out: list[int]) -> bool:
+        if any(g[:len(out)] == out for g in good.get(item, [])):
+            return True
+        if any(b == out for b in bad.get(item, [])):
+            return False
+        prompt = pool[item][0]
+        logits = ref.forward(prompt + out[:-1]).logits
+        want = logits[len(prompt) - 1:].argmax(dim=-1).tolist()
+        ok = want == out
+        (good if ok else bad).setdefault(item, []).append(out)
+        return ok
+
+    for run in runs:
+        reqs = run["requests"]
+        order = sorted(range(len(reqs)), key=lambda k: -len(reqs[k]["output_ids"]))  # longest first
+        for k in order:
+            r = reqs[k]
+            r["tokens_ok"] = verdict(r["item"], r["output_ids"]) if r["output_ids"] else True
+        run["checked_forwards"] = sum(len(v) for v in good.values()) + sum(len(v) for v in bad.values())
+        good.clear()
+        bad.clear()
+
+
+def summarize(run: dict, args) -> dict:
+    reqs = [r for r in run["requests"] if r["client"] >= 0]
+    by = {k: sum(r["outcome"] == k for r in reqs) for k in ("completed", "disconnected", "aborted", "cut", "failed", "lost")}
+    tokens = sum(len(r["output_ids"]) for r in run["requests"])
+    wrong = [r for r in run["requests"] if not r["tokens_ok"]]
+    wrong_ok = sum(r["outcome"] != "failed" for r in wrong)
+    samples = run["samples"]
+    duration = samples[-1]["t"] if samples else 0.0
+
+    def window(lo: float, hi: float, key: str) -> list[float]:
+        return [s[key] for s in samples if lo * duration <= s["t"] <= hi * duration] or [samples[-1][key]]
+
+    def median(v):
+        v = sorted(v)
+        return v[len(v) // 2]
+
+    # Growth once the caches are full: the steady part's start (a third into the run) vs its end.
+    growth = {key: median(window(0.85, 1.0, key)) - median(window(0.3, 0.45, key))
+              for key in ("rss_mib", "fds", "shm_mib")} if samples else {}
+    f = run["faults"]
+    return {
+        "placement": run["placement"], "minutes": duration / 60, "requests": len(reqs), **by,
+        "tokens": tokens, "wrong_outside_failed": wrong_ok, "wrong_in_failed": len(wrong) - wrong_ok,
+        "eio_injected": f.get("eio_injected", 0), "eio_bursts": f.get("eio_bursts", 0), "stalls": f.get("stalls", 0),
+        "table_reads": f.get("matched_reads", 0), **run["log"],
+        "server_alive": run["after"]["alive"], "served_after": run["after"]["served_after"],
+        "contained": bool(run["after"]["served_after"] and wrong_ok == 0 and run["died_at_s"] is None),
+        "p50_s": run["latency_s"]["p50"], "p99_s": run["latency_s"]["p99"], "ttft_p50_s": run["ttft_s"]["p50"],
+        "rss_mib_end": samples[-1]["rss_mib"] if samples else None, "fds_end": samples[-1]["fds"] if samples else None,
+        "shm_mib_end": samples[-1]["shm_mib"] if samples else None,
+        "growth": growth,
+        # A few MiB of allocator noise is not a leak; fds and shm must not move at all.
+        "no_growth": bool(growth) and growth["rss_mib"] <= max(32.0, 0.03 * samples[-1]["rss_mib"])
+        and growth["fds"] <= 2 and abs(growth["shm_mib"]) < 1,
+    }
+
+
+# ------------------------------------------------------------------ report
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
+    for run in runs:
+        t = [s["t"] for s in run["samples"]]
+        name = run["placement"]
+        axes[0].plot(t, [s["rss_mib"] for s in run["samples"]], label=name)
+        axes[1].plot(t, [s["fds"] for s in run["samples"]], label=name)
+        axes[2].plot(t, [s["shm_mib"] for s in run["samples"]], label=name)
+        done = [r for r in run["requests"] if r["outcome"] == "completed" and r["client"] >= 0]
+        axes[3].scatter([r["t_end"] - run["t0"] for r in done], [r["t_end"] - r["t_start"] for r in done], s=3,
+                        label=name)
+        if run["samples"]:
+            ax = axes[3].twinx()
+            ax.plot(t, [s["faults"].get("eio_injected", 0) for s in run["samples"]], "r--", lw=0.8)
+            ax.set_ylabel("EIO injected (dashed)")
+    for ax, label in zip(axes, ("RSS, all server processes (MiB)", "open fds", "/dev/shm held (MiB)",
+                                "request latency (s)")):
+        ax.set_ylabel(label)
+        ax.legend(loc="upper left")
+    axes[3].set_xlabel("seconds since faults were armed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(summaries: list[dict]) -> None:
+    header = ["placement", "min", "requests", "completed", "disconn.", "aborted", "cut", "failed", "lost", "tokens",
+              "wrong", "EIO inj.", "bursts", "stalls", "retried", "failed reads", "alive", "contained", "p50 s",
+              "p99 s", "RSS MiB", "dRSS", "fds", "dfds", "shm MiB"]
+    rows = [[s["placement"], round(s["minutes"], 1), s["requests"], s["completed"], s["disconnected"], s["aborted"],
+             s["cut"], s["failed"], s["lost"], s["tokens"], s["wrong_outside_failed"], s["eio_injected"], s["eio_bursts"],
+             s["stalls"], s["read_retries"], s["reads_failed_after_retries"], s["served_after"], s["contained"],
+             s["p50_s"] or 0.0, s["p99_s"] or 0.0, round(s["rss_mib_end"] or 0), round(s["growth"].get("rss_mib", 0), 1),
+             s["fds_end"], s["growth"].get("fds", 0), round(s["shm_mib_end"] or 0, 1)] for s in summaries]
+    print_table("soak (wrong = tokens unlike the reference outside failed requests; d = growth over the steady part)",
+                header, rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=2.0, help="soak time per placement, faults armed")
+    p.add_argument("--placements", default="disk,host")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--pool", type=int, default=48, help="distinct (prompt, length) pairs the clients draw from")
+    p.add_argument("--warmup", type=int, default=8, help="pool items sent once before the faults are armed")
+    p.add_argument("--chunk", type=int, default=64, help="--chunked-prefill-size")
+    p.add_argument("--dram-cache-mib", type=int, default=1, help="disk: the DRAM row cache (small: reads keep going to the file)")
+    p.add_argument("--eio-burst", type=int, default=RETRIES, help="failed reads per burst (<= the store's retries: absorbed)")
+    p.add_argument("--eio-gap-ms", type=int, default=500, help="one burst per this many ms of reads")
+    p.add_argument("--stall-prob", type=float, default=0.01, help="probability a table read call stalls")
+    p.add_argument("--stall-ms", type=int, default=50)
+    p.add_argument("--hard-faults", action="store_true",
+                   help="read outages that outlast the retries (needs contained read errors in the server)")
+    p.add_argument("--hard-burst-ms", type=int, default=300)
+    p.add_argument("--hard-gap-ms", type=int, default=10_000)
+    p.add_argument("--sample-s", type=float, default=2.0, help="/proc sampling period")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model-dir", help="the demo model (default: built once under --workdir)")
+    p.add_argument("--workdir", default=str(ROOT / "build" / "soak"))
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--name", default="soak")
+    args = p.parse_args(argv)
+    if not FAULTS_LIB.is_file():
+        print(f"soak: {FAULTS_LIB} is missing: run `make faults`", file=sys.stderr)
+        return 2
+    if not (0 < args.minutes <= 24 * 60) or not (1 <= args.clients <= 256):
+        print(f"soak: --minutes must be in (0, 1440] and --clients in [1, 256], got {args.minutes}, {args.clients}",
+              file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir)
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        from engram_sglang.demo import demo_model
+
+        model_dir, _ = demo_model(workdir)
+    from transformers import AutoTokenizer
+
+    pool = prompt_pool(AutoTokenizer.from_pretrained(model_dir), args.pool, args.seed)
+    runs = []
+    for name in args.placements.split(","):
+        runs.append(run_placement(name, model_dir, pool, args, Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_mk(workdir)))))
+    print("soak: checking every served token against the reference forward", flush=True)
+    t_check = time.monotonic()
+    check_tokens(runs, pool, model_dir)
+    check_s = time.monotonic() - t_check
+    summaries = [summarize(r, args) for r in runs]
+    report(summaries)
+    for run in runs:
+        print(f"{run['placement']}: " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in run["times"].items()))
+    print(f"token check: {check_s:.0f} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), "args": vars(args), "summary": summaries, "check_s": check_s,
+               "runs": [{k: v for k, v in r.items() if k != "requests"} |
+                        {"requests": [{k: v for k, v in q.items() if k != "output_ids"} for q in r["requests"]]}
+                        for r in runs]}
+    (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+    plot(runs, out / f"{args.name}.png")
+    print(f"wrote {out / (args.name + '.json')} and {out / (args.name + '.png')}")
+    return 0 if all(s["contained"] and s["wrong_outside_failed"] == 0 for s in summaries) else 1
+
+
+def _mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
