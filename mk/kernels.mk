@@ -3,6 +3,7 @@
 #   build/kernels/libengram_cuda.so  sm_89, sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc),
 #                                    on the shared CUDA runtime (the libcudart torch loads)
 #   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
+# both from one launcher source, kernels/gpu/engram_gather.cu (one ABI: engram_{cuda,hip}_*)
 # plus what tests/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
 # VENDOR=cuda|hip|cpu|all picks what to build (the Docker images build one vendor; cpu is
 # always built alongside, CPU serving and the disk tier use it).
@@ -12,6 +13,8 @@
 VENDOR ?= all
 KERNELS_OUT := build/kernels
 KERNEL_COMMON := kernels/common/engram_gather.h
+# One launcher source for both GPU vendors; compat.h renames CUDA calls to HIP's.
+KERNEL_GPU := kernels/gpu/engram_gather.cu kernels/gpu/compat.h
 
 # Debian 12 defaults (scripts/setup-toolchain.sh installs them); the ROCm image points these
 # at its own toolchain (docker/Dockerfile.rocm).
@@ -87,15 +90,15 @@ $(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) mk/kernels.mk
 # -cudart shared: libcudart is NEEDED by soname, so the library runs on the copy torch loaded
 # (nvcc's default static runtime would be a second runtime in the process, with its own
 # context bookkeeping; ops/native.py checks the soname against the loaded one).
-$(CUDA_LIB): kernels/cuda/engram_gather.cu $(KERNEL_COMMON) mk/kernels.mk
+$(CUDA_LIB): $(KERNEL_GPU) $(KERNEL_COMMON) mk/kernels.mk
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCC_FLAGS) -shared -cudart shared -DENGRAM_CUDA_TARGETS='"$(CUDA_TARGETS)"' \
+	$(NVCC) $(NVCC_FLAGS) -shared -cudart shared -DENGRAM_TARGETS='"$(CUDA_TARGETS)"' \
 		$(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
 		-gencode arch=compute_$(CUDA_PTX_ARCH),code=compute_$(CUDA_PTX_ARCH) -o $@ $<
 
 # PTX per arch, from the same source and flags, for the disassembly checks (this toolkit has
 # no cuobjdump/nvdisasm to read the SASS back).
-$(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: kernels/cuda/engram_gather.cu $(KERNEL_COMMON) mk/kernels.mk
+$(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: $(KERNEL_GPU) $(KERNEL_COMMON) mk/kernels.mk
 	@mkdir -p $(@D)
 	$(NVCC) $(NVCC_FLAGS) -ptx -arch=compute_$* -o $@ $<
 
@@ -114,12 +117,12 @@ $(HIP_BITCODE)/.stamp: mk/kernels.mk
 	done
 	touch $@
 
-$(HIP_OBJ): kernels/hip/engram_gather.hip $(KERNEL_COMMON) $(HIP_BITCODE)/.stamp mk/kernels.mk
+$(HIP_OBJ): $(KERNEL_GPU) $(KERNEL_COMMON) $(HIP_BITCODE)/.stamp mk/kernels.mk
 	@mkdir -p $(@D)
-	$(HIPCXX) $(HIP_FLAGS) -DENGRAM_HIP_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
+	$(HIPCXX) $(HIP_FLAGS) -DENGRAM_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
 
 # Left with undefined HIP symbols on purpose: they bind to the runtime torch loaded (see the
-# comment at the top of kernels/hip/engram_gather.hip).
+# comment at the top of kernels/gpu/engram_gather.cu).
 $(HIP_LIB): $(HIP_OBJ)
 	$(CXX) -shared -o $@ $<
 

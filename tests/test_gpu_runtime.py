@@ -219,6 +219,10 @@ rc_ok = fn(a, a, 8, most * rows_per_block, 0, 10, a, None)
 grid_ok = rec.grid.x
 rc_bad = fn(a, a, 8, most * rows_per_block + 1, 0, 10, a, None)
 out["grid"] = [rc_ok, grid_ok, rc_bad, rec.launches]
+# One ABI: the HIP library answers the probe's questions as the CUDA one does.
+lib = native.load("hip")
+out["device_info"] = native.device_info(lib, 1)
+out["check_device"] = native.check_device(lib, 1)
 with gpu_runtime.injected(rt):
     store.close()
 out["unregister"] = [rec.unregister_calls, rec.unregister_ptr, rec.unregister_device]
@@ -268,3 +272,6 @@ def test_host_store_device_address_reaches_the_hip_launch(fake_hip, tmp_path):
     assert rc_ok == 0 and grid_ok * block == (2**32 - 1) // block * block
     assert rc_bad == -1 and launches == 2  # refused before any launch
     assert r["unregister"] == [1, ptr, 1]
+    info = r["device_info"]
+    assert (info["warp_size"], info["can_map_host_memory"], info["host_pointer_for_registered"]) == (64, 1, 0)
+    assert r["check_device"] == 0

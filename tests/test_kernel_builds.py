@@ -27,6 +27,8 @@ from test_gather import bits_of, exhaustive_table, expected_bits
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("ENGRAM_KERNELS_DIR", ROOT / "build" / "kernels"))
 COMMON = ROOT / "kernels" / "common" / "engram_gather.h"
+# One launcher source for both GPU vendors (CUDA calls renamed to HIP's in compat.h).
+GPU_SOURCES = (ROOT / "kernels/gpu/engram_gather.cu", ROOT / "kernels/gpu/compat.h")
 CUDA_ARCHS = (89, 90, 100, 120)
 HIP_ARCHS = ("gfx942", "gfx950")
 # LLVM tools as mk/kernels.mk names them: Debian's clang-22 packages, or the ROCm image's own.
@@ -84,7 +86,7 @@ def test_cpu_library_has_no_fast_math():
 def cuda_lib() -> Path:
     why = "nvcc missing" if not Path("/usr/local/cuda/bin/nvcc").exists() and not shutil.which("nvcc") else \
         "run `make kernels`"
-    return artifact(OUT / "libengram_cuda.so", ROOT / "kernels/cuda/engram_gather.cu", why_missing=why)
+    return artifact(OUT / "libengram_cuda.so", *GPU_SOURCES, why_missing=why)
 
 
 def fatbin_entries(so: Path) -> list[tuple[str, int]]:
@@ -134,7 +136,7 @@ def test_cuda_library_targets():
     """
     lines = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True, capture_output=True,
                            text=True, timeout=60).stdout.splitlines()
-    assert lines[0] == "1 sm_89 sm_90 sm_100 sm_120 compute_120"
+    assert lines[0] == "2 sm_89 sm_90 sm_100 sm_120 compute_120"
     rc, msg = lines[1].split(" ", 1)
     assert int(rc) > 0 and msg  # e.g. 35 "CUDA driver version is insufficient" / 100 "no device"
     assert lines[2] == "-2 -1"  # misaligned table, bad n: refused before any CUDA call
@@ -143,7 +145,7 @@ def test_cuda_library_targets():
 @pytest.mark.parametrize("arch", CUDA_ARCHS)
 def test_cuda_ptx_native_fp8_and_no_ftz(arch):
     cuda_lib()
-    ptx = artifact(OUT / "cuda" / f"engram_gather.sm_{arch}.ptx", ROOT / "kernels/cuda/engram_gather.cu",
+    ptx = artifact(OUT / "cuda" / f"engram_gather.sm_{arch}.ptx", *GPU_SOURCES,
                    why_missing="run `make kernels`").read_text()
     ops = collections.Counter(re.findall(r"^\s*(?:@%p\d+\s+)?([a-z][\w.]*)", ptx, re.M))
     assert ops["cvt.rn.f16x2.e4m3x2"] >= 16  # 8 values a chunk, 2 per instruction, 2 id widths
@@ -157,7 +159,7 @@ def test_cuda_ptx_native_fp8_and_no_ftz(arch):
 def hip_lib() -> Path:
     hipcxx = os.environ.get("HIPCXX", "clang++-22")
     why = f"{hipcxx} missing" if not shutil.which(hipcxx) else "run `make kernels`"
-    return artifact(OUT / "libengram_hip.so", ROOT / "kernels/hip/engram_gather.hip", why_missing=why)
+    return artifact(OUT / "libengram_hip.so", *GPU_SOURCES, why_missing=why)
 
 
 def test_hip_library_binds_to_any_rocm():
@@ -165,7 +167,8 @@ def test_hip_library_binds_to_any_rocm():
     dynamic = run(tool(f"llvm-readelf{LLVM}"), "-d", "--dyn-syms", str(so))
     assert "libamdhip64" not in dynamic  # no soname baked in: resolved against torch's runtime
     assert re.search(r"UND\s+hipLaunchKernel", dynamic)
-    for sym in ("engram_hip_gather_dequant", "engram_hip_targets", "engram_hip_check_device"):
+    assert re.search(r"UND\s+hipDeviceGetAttribute", dynamic)  # device_info asks HIP as it asks CUDA
+    for sym in ("engram_hip_gather_dequant", "engram_hip_targets", "engram_hip_check_device", "engram_hip_device_info"):
         assert re.search(rf"FUNC\s+GLOBAL\s+DEFAULT\s+\d+\s+{sym}$", dynamic, re.M), sym
     bundles = run(tool(f"clang-offload-bundler{LLVM}"), "--list", "--type=o", f"--input={OUT / 'hip' / 'fatbin.bin'}")
     assert {f"hipv4-amdgcn-amd-amdhsa--{a}" for a in HIP_ARCHS} <= set(bundles.split())
@@ -174,8 +177,7 @@ def test_hip_library_binds_to_any_rocm():
 @pytest.mark.parametrize("arch", HIP_ARCHS)
 def test_hip_code_object_native_fp8_and_denormals(arch):
     hip_lib()
-    co = artifact(OUT / "hip" / f"engram_gather.{arch}.co", ROOT / "kernels/hip/engram_gather.hip",
-                  why_missing="run `make kernels`")
+    co = artifact(OUT / "hip" / f"engram_gather.{arch}.co", *GPU_SOURCES, why_missing="run `make kernels`")
     text = run(tool(f"llvm-objdump{LLVM}"), "-D", f"--mcpu={arch}", str(co))
     instrs = collections.Counter(re.findall(r"^\s+(v_\w+|s_\w+|global_\w+)", text, re.M))
     assert any(i.startswith(HIP_FP8_INSTR[arch]) for i in instrs), sorted(i for i in instrs if "cvt" in i)
@@ -186,6 +188,19 @@ def test_hip_code_object_native_fp8_and_denormals(arch):
     assert instrs["global_load_dwordx2"] > 0 and instrs["global_store_dwordx4"] > 0
     notes = run(tool(f"llvm-readelf{LLVM}"), "--notes", str(co))
     assert notes.count(".wavefront_size: 64") == 2
+
+
+def test_one_abi_for_both_gpu_vendors():
+    """The CUDA and HIP libraries come from one source: the same entry points, vendor prefix aside."""
+    cuda, hip = cuda_lib(), hip_lib()
+
+    def entries(so: Path, vendor: str) -> set[str]:
+        names = run(tool("nm"), "-D", "--defined-only", str(so)).split()
+        return {n.replace(f"engram_{vendor}_", "engram_X_") for n in names if n.startswith(f"engram_{vendor}_")}
+
+    want = {f"engram_X_{e}" for e in ("abi_version", "targets", "error_string", "check_device", "device_info",
+                                      "gather_dequant")}
+    assert entries(cuda, "cuda") == entries(hip, "hip") == want
 
 
 # ------------------------------------------------------------------ Triton, ahead of time

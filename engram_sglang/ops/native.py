@@ -1,6 +1,6 @@
 """ctypes bindings of the native gather libraries built by `make kernels`.
 
-The libraries are torch-free (kernels/cpu, kernels/cuda, kernels/hip): raw pointers in, an
+The libraries are torch-free (kernels/cpu, and kernels/gpu for CUDA and HIP): raw pointers in, an
 error code out. Loading is lazy and cached; a missing or stale library is reported as a
 reason string (the probe logs it and falls back), never as an import error.
 """
@@ -16,7 +16,8 @@ from typing import Optional
 
 from . import gpu_runtime
 
-ABI_VERSION = 1
+# Per library: the GPU launchers share one source and one ABI (kernels/gpu/engram_gather.cu).
+ABI_VERSION = {"cpu": 1, "cuda": 2, "hip": 2}
 LIB_NAMES = {"cpu": "libengram_cpu.so", "cuda": "libengram_cuda.so", "hip": "libengram_hip.so"}
 
 
@@ -66,12 +67,9 @@ def _bind(kind: str, lib: ctypes.CDLL) -> None:
     getattr(lib, f"engram_{kind}_targets").restype = ctypes.c_char_p
     getattr(lib, f"engram_{kind}_error_string").argtypes = [i32]
     getattr(lib, f"engram_{kind}_error_string").restype = ctypes.c_char_p
-    if kind == "cuda":
-        lib.engram_cuda_check_device.argtypes = [i32, ctypes.POINTER(i32)]
-        lib.engram_cuda_device_info.argtypes = [i32, ctypes.POINTER(i32)]
-    else:
-        lib.engram_hip_check_device.argtypes = [i32]
-    getattr(lib, f"engram_{kind}_check_device").restype = i32
+    for name in ("check_device", "device_info"):  # the same signatures for both vendors
+        fn = getattr(lib, f"engram_{kind}_{name}")
+        fn.argtypes, fn.restype = [i32, ctypes.POINTER(i32)], i32
 
 
 def _bind_to_loaded_runtime(kind: str, path: Path) -> None:
@@ -134,8 +132,9 @@ def load(kind: str) -> NativeLib:
     except AttributeError as e:
         raise NativeUnavailable(f"{path} lacks an entry point ({e}); rebuild with `make kernels`") from None
     abi = getattr(lib, f"engram_{kind}_abi_version")()
-    if abi != ABI_VERSION:
-        raise NativeUnavailable(f"{path} has ABI {abi}, this package wants {ABI_VERSION}; rebuild with `make kernels`")
+    if abi != ABI_VERSION[kind]:
+        raise NativeUnavailable(f"{path} has ABI {abi}, this package wants {ABI_VERSION[kind]}; "
+                                f"rebuild with `make kernels`")
     targets: tuple[str, ...] = ()
     if kind != "cpu":
         targets = tuple(getattr(lib, f"engram_{kind}_targets")().decode().split())
@@ -150,18 +149,20 @@ def try_load(kind: str) -> tuple[Optional[NativeLib], str]:
         return None, str(e)
 
 
-def cuda_device_info(lib: NativeLib, device: int) -> Optional[dict]:
-    """Attributes the probe wants beyond torch's properties, or None if the runtime says no."""
-    vals = (ctypes.c_int * 6)()
-    if lib.lib.engram_cuda_device_info(device, vals) != 0:
+DEVICE_INFO_KEYS = ("major", "minor", "warp_size", "unified_addressing", "host_pointer_for_registered",
+                    "pageable_access", "can_map_host_memory")
+
+
+def device_info(lib: NativeLib, device: int) -> Optional[dict]:
+    """What the GPU library's runtime says about `device` (the same questions on CUDA and HIP),
+    or None if it says no."""
+    vals = (ctypes.c_int * len(DEVICE_INFO_KEYS))()
+    if getattr(lib.lib, f"engram_{lib.kind}_device_info")(device, vals) != 0:
         return None
-    keys = ("major", "minor", "warp_size", "unified_addressing", "host_pointer_for_registered", "pageable_access")
-    return dict(zip(keys, list(vals)))
+    return dict(zip(DEVICE_INFO_KEYS, list(vals)))
 
 
 def check_device(lib: NativeLib, device: int) -> int:
     """0 when the library holds code that runs on `device`, else the runtime's error code."""
-    if lib.kind == "cuda":
-        version = ctypes.c_int(0)
-        return lib.lib.engram_cuda_check_device(device, ctypes.byref(version))
-    return lib.lib.engram_hip_check_device(device)
+    version = ctypes.c_int(0)
+    return getattr(lib.lib, f"engram_{lib.kind}_check_device")(device, ctypes.byref(version))

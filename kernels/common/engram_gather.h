@@ -11,8 +11,9 @@
 // byte 0 is 2^-127, itself an fp32 denormal.
 //
 // Layering: this header has no torch and no vendor API. What differs by target (the native
-// fp8 conversion instruction, warp 32 vs wavefront 64, launch shape) lives in the thin
-// launchers kernels/{cuda,hip}/engram_gather.*; they plug a decoder into the templates below.
+// fp8 conversion instruction, warp 32 vs wavefront 64, launch shape) lives in the GPU
+// launcher's compat header (kernels/gpu/compat.h); the launcher plugs a decoder into the
+// templates below.
 // A decoder is a type with
 //     static ENGRAM_HD void decode4(uint32_t word, float v[4]);   // 4 fp8 bytes, low first
 // returning the exact e4m3fn values (NaN for 0x7F/0xFF). Decoders built on an instruction that
