@@ -189,7 +189,7 @@ def test_io_errors_are_retried_then_fail_that_call_only(table_dir, monkeypatch, 
         assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
     assert caplog.text.count("Input/output error") == 2
     failures["left"] = 10
-    with pytest.raises(TableIOError, match=r"layer-1.rows: reading row \d+ failed after 3 tries: Input/output error"):
+    with pytest.raises(TableIOError, match=r"layer-1.rows: reading \d+ of \d+ rows \(first: row \d+\) failed after 3 tries: Input/output error"):
         store.gather(ids)
     monkeypatch.undo()
     # The store keeps serving the next call.
