@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -51,6 +52,26 @@ SGLANG_DECODE_GRAPH_BS = 256
 
 class PlannerError(EngramError, ValueError):
     """Bad planner input (unknown SKU, invalid TP, missing model facts): one line."""
+
+
+# Bounds on every number the plan reads, far beyond any real deployment: inf, NaN, negative
+# or absurd values would otherwise overflow (int(inf)) or loop (TP sizes up to the head count).
+MAX_GIB = 1 << 20  # 1 PiB: any memory size in GiB
+MAX_TP = 1024
+MAX_HEADS = 1 << 16  # attention heads, KV heads, layers
+MAX_TOKENS = 1 << 40  # context length, KV tokens
+MAX_KV_BYTES = 1 << 30  # KV cache bytes per token
+
+
+def bounded(v: Any, what: str, lo: float, hi: float, whole: bool = False) -> Any:
+    """`v` if it is a finite number (whole if asked) in [lo, hi]; else one line naming `what`."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok and isinstance(v, float):
+        ok = math.isfinite(v) and (not whole or v.is_integer())
+    if not ok or not lo <= v <= hi:
+        kind = "a whole number" if whole else "a number"
+        raise PlannerError(f"{what} must be {kind} from {lo} to {hi}, got {v!r}")
+    return int(v) if whole else v
 
 
 # ----------------------------------------------------------------------------- data
@@ -151,7 +172,10 @@ def _model_type(cfg_source: str) -> Optional[str]:
     if not mt and isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
         mt = raw["text_config"].get("model_type")
     # SGLang and HF name the text half of a VLM "<type>_text"; its serving facts are the same.
-    return str(mt).removesuffix("_text") if mt else None
+    # A model type names a file of configs/models/: a plain name, never a path.
+    if not isinstance(mt, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", mt) or mt.startswith("."):
+        return None
+    return mt.removesuffix("_text")
 
 
 def load_facts(cfg: EngramConfig) -> ModelFacts:
@@ -178,12 +202,15 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
             return facts[key]
         return None
 
-    heads = fact("num_attention_heads", "num_attention_heads")
-    context = fact("context_length", "max_position_embeddings")
-    weight_gib = fact("non_engram_weight_gib")
+    def checked(key: str, value: Any, lo: float, hi: float, whole: bool) -> Any:
+        return None if value is None else bounded(value, f"{sources[key]} ({key})", lo, hi, whole)
+
+    heads = checked("num_attention_heads", fact("num_attention_heads", "num_attention_heads"), 1, MAX_HEADS, True)
+    context = checked("context_length", fact("context_length", "max_position_embeddings"), 1, MAX_TOKENS, True)
+    weight_gib = checked("non_engram_weight_gib", fact("non_engram_weight_gib"), 0, MAX_GIB, False)
     if weight_gib is not None:
         sources["weight_bytes"] = sources.pop("non_engram_weight_gib")
-    kv = fact("kv_bytes_per_token")
+    kv = checked("kv_bytes_per_token", fact("kv_bytes_per_token"), 1, MAX_KV_BYTES, False)
     replicated = bool(facts.get("kv_replicated_across_tp", False))
     kv_heads = None
     if replicated:
@@ -206,13 +233,17 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
 def _kv_from_attention_fields(raw: dict, sources: dict[str, str], where: str) -> tuple[Optional[float], Optional[int]]:
     """KV bytes per token of standard (GQA) attention in bf16: 2 (K, V) x kv heads x head_dim x
     layers x 2 bytes. Returned for the whole model; `kv_per_rank` divides it over TP."""
-    try:
-        layers = int(raw["num_hidden_layers"])
-        heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads", heads))
-        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    if "num_hidden_layers" not in raw or "num_attention_heads" not in raw or not (
+            raw.get("head_dim") or "hidden_size" in raw):
         return None, None
+
+    def field(key: str, default: Any = None) -> int:
+        return bounded(raw.get(key, default), f"{where}: {key}", 1, MAX_HEADS if key != "head_dim" else 1 << 20, True)
+
+    layers = field("num_hidden_layers")
+    heads = field("num_attention_heads")
+    kv_heads = field("num_key_value_heads", heads)
+    head_dim = field("head_dim") if raw.get("head_dim") else max(1, field("hidden_size") // heads)
     sources["kv_bytes_per_token"] = (
         f"{where}: 2 x num_key_value_heads {kv_heads} x head_dim {head_dim} x "
         f"num_hidden_layers {layers} x 2 B (bf16 KV cache, standard attention)"
@@ -278,6 +309,8 @@ def valid_tps(heads: Optional[int], limit: int = 64) -> list[int]:
 def _check_tp(tp: Any, facts: ModelFacts) -> int:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise PlannerError(f"--tp must be a whole number >= 1, got {tp!r}")
+    if tp > MAX_TP:
+        raise PlannerError(f"--tp must be at most {MAX_TP}, got {tp}")
     heads = facts.attention_heads
     if heads is not None and heads % tp:
         ok = ", ".join(str(t) for t in valid_tps(heads))
@@ -295,12 +328,11 @@ class Planner:
             raise PlannerError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {inputs.placement!r}")
         if inputs.host_layout not in HOST_LAYOUTS:
             raise PlannerError(f"--host-layout must be one of {', '.join(HOST_LAYOUTS)}, got {inputs.host_layout!r}")
-        for name in ("hot_cache_gib", "weights_gib", "reserve_gib", "host_dram_gib", "kv_bytes_per_token"):
-            v = getattr(inputs, name)
-            if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
-                raise PlannerError(f"--{name.replace('_', '-')} must be a number >= 0, got {v!r}")
-        if inputs.kv_bytes_per_token == 0:
-            raise PlannerError("--kv-bytes-per-token must be > 0")
+        for name in ("hot_cache_gib", "weights_gib", "reserve_gib", "host_dram_gib"):
+            if getattr(inputs, name) is not None:
+                bounded(getattr(inputs, name), f"--{name.replace('_', '-')}", 0, MAX_GIB)
+        if inputs.kv_bytes_per_token is not None:
+            bounded(inputs.kv_bytes_per_token, "--kv-bytes-per-token", 1, MAX_KV_BYTES)
         self.inputs = inputs
         self.gpu = gpu_sku(inputs.gpu)
         self.cfg = EngramConfig.resolve(inputs.model)
@@ -322,6 +354,8 @@ class Planner:
             isinstance(inputs.min_kv_tokens, bool) or not isinstance(inputs.min_kv_tokens, int) or inputs.min_kv_tokens < 0
         ):
             raise PlannerError(f"--min-kv-tokens must be a whole number >= 0, got {inputs.min_kv_tokens!r}")
+        if inputs.min_kv_tokens is not None and inputs.min_kv_tokens > MAX_TOKENS:
+            raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
 
     # ------------------------------------------------------------------ pieces
     @property

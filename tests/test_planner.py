@@ -7,9 +7,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from engram_sglang.config import configs_dir
+from engram_sglang.errors import EngramError
 from engram_sglang.planner import (
     GIB,
     PLACEMENTS,
@@ -119,8 +122,18 @@ def test_bad_tp_is_one_clear_line(tp, want):
 @pytest.mark.parametrize("kwargs, want", [
     (dict(placement="ssd"), "--placement must be one of device, host, disk"),
     (dict(host_layout="numa"), "--host-layout must be one of shared, per_rank"),
-    (dict(hot_cache_gib=-1), "--hot-cache-gib must be a number >= 0"),
-    (dict(kv_bytes_per_token=0), "--kv-bytes-per-token must be > 0"),
+    (dict(hot_cache_gib=-1), "--hot-cache-gib must be a number from 0 to 1048576, got -1"),
+    (dict(kv_bytes_per_token=0), "--kv-bytes-per-token must be a number from 1 to 1073741824, got 0"),
+    # inf, NaN and absurd sizes: one line, never an OverflowError from int(inf).
+    (dict(hot_cache_gib=float("inf")), "--hot-cache-gib must be a number from 0 to 1048576, got inf"),
+    (dict(hot_cache_gib=float("nan")), "--hot-cache-gib must be a number from 0 to 1048576, got nan"),
+    (dict(weights_gib=1e300), "--weights-gib must be a number from 0 to 1048576, got 1e+300"),
+    (dict(reserve_gib=float("inf")), "--reserve-gib must be a number from 0 to 1048576, got inf"),
+    (dict(host_dram_gib=float("-inf")), "--host-dram-gib must be a number from 0 to 1048576, got -inf"),
+    (dict(kv_bytes_per_token=1e-300), "--kv-bytes-per-token must be a number from 1 to 1073741824, got 1e-300"),
+    (dict(kv_bytes_per_token=float("inf")), "--kv-bytes-per-token must be a number from 1 to 1073741824, got inf"),
+    (dict(tp=10**12), "--tp must be at most 1024, got 1000000000000"),
+    (dict(min_kv_tokens=10**400), "--min-kv-tokens must be at most 1099511627776 (2^40)"),
     (dict(model="no-such-model"), "unknown preset 'no-such-model'"),
 ])
 def test_other_bad_input_is_one_clear_line(kwargs, want):
@@ -209,3 +222,47 @@ def test_kv_override_is_per_rank():
     h = p["hbm_per_gpu"]["host"]
     assert h["kv_tokens"] == int(h["free_for_kv_bytes"] // 27000)
     assert p["model"]["sources"]["kv_bytes_per_token"] == "--kv-bytes-per-token (per rank)"
+
+
+@pytest.mark.parametrize("fields, want", [
+    # Absurd Engram counts are refused before any prime search (this once computed for minutes).
+    ({"engram_n_heads": 10**6}, "engram_n_heads must be an integer >= 1 (and <= 64), got 1000000"),
+    ({"engram_max_ngram_size": 10**5}, "engram_max_ngram_size must be an integer >= 2 (and <= 8)"),
+    ({"engram_layer_ids": list(range(5000))}, "engram_layer_ids must be at most 64 layers"),
+    ({"engram_layer_ids": list(range(60)), "engram_n_heads": 8}, "= 1440 hash columns; at most 512 are supported"),
+    ({"engram_vocab_size": 10**15}, "engram_vocab_size must be an integer >= 2 (and <= 2^32)"),
+    # Model facts of the config: negative, fractional or absurd head counts and contexts.
+    ({"num_attention_heads": 10**15}, "num_attention_heads) must be a whole number from 1 to 65536, got 10"),
+    ({"num_attention_heads": -4}, "num_attention_heads) must be a whole number from 1 to 65536, got -4"),
+    ({"num_attention_heads": 0}, "got 0"),
+    ({"num_attention_heads": 1.5}, "got 1.5"),
+    ({"max_position_embeddings": 1e300}, "max_position_embeddings (context_length) must be a whole number"),
+    ({"max_position_embeddings": -5}, "got -5"),
+])
+def test_hostile_model_configs_are_refused_up_front(tmp_path, fields, want):
+    import time
+
+    base = json.loads((Path(configs_dir()) / f"{DSV41}.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **fields}))
+    t0 = time.perf_counter()
+    with pytest.raises(EngramError) as e:
+        plan(model=str(path), gpu="H200")
+    assert want in one_line(e.value) and str(path) in str(e.value)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_attention_fields_out_of_bounds_are_one_line(tmp_path):
+    """A config.json without a facts file: its attention fields give the KV size, checked."""
+    base = json.loads((Path(configs_dir()) / f"{DSV41}.json").read_text())
+    fields = {**base, "model_type": "no_facts_here", "num_hidden_layers": 10**30, "num_attention_heads": 8,
+              "hidden_size": 1024}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(EngramError, match=r"config.json: num_hidden_layers must be a whole number from 1 to 65536"):
+        plan(model=str(path), gpu="H200", tp=1)
+    path.write_text(json.dumps({**fields, "num_hidden_layers": 4, "num_key_value_heads": -1}))
+    with pytest.raises(EngramError, match=r"num_key_value_heads must be a whole number from 1 to 65536, got -1"):
+        plan(model=str(path), gpu="H200", tp=1)
+    path.write_text(json.dumps({**fields, "num_hidden_layers": 4, "model_type": "../../etc/x"}))
+    plan(model=str(path), gpu="H200", tp=1, weights_gib=10)  # no facts file outside configs/models
