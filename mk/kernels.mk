@@ -3,7 +3,7 @@
 #   build/kernels/libengram_cuda.so  sm_89, sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc),
 #                                    on the shared CUDA runtime (the libcudart torch loads)
 #   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
-# both from one launcher source, kernels/gpu/engram_gather.cu (one ABI: engram_{cuda,hip}_*)
+# both from one launcher source, kernels/cuda/engram_gather.cu, HIP through kernels/hip/vendor.h (one ABI: engram_{cuda,hip}_*)
 # plus what tests/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
 # VENDOR=cuda|hip|cpu|all picks what to build (the Docker images build one vendor; cpu is
 # always built alongside, CPU serving and the disk tier use it).
@@ -14,7 +14,7 @@ VENDOR ?= all
 KERNELS_OUT := build/kernels
 KERNEL_COMMON := kernels/common/engram_gather.h
 # One launcher source for both GPU vendors; compat.h renames CUDA calls to HIP's.
-KERNEL_GPU := kernels/gpu/engram_gather.cu kernels/gpu/compat.h
+KERNEL_GPU := kernels/cuda/engram_gather.cu kernels/cuda/compat.h kernels/cuda/vendor.h kernels/hip/vendor.h
 
 # Debian 12 defaults (scripts/setup-toolchain.sh installs them); the ROCm image points these
 # at its own toolchain (docker/Dockerfile.rocm).
@@ -122,7 +122,7 @@ $(HIP_OBJ): $(KERNEL_GPU) $(KERNEL_COMMON) $(HIP_BITCODE)/.stamp mk/kernels.mk
 	$(HIPCXX) $(HIP_FLAGS) -DENGRAM_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
 
 # Left with undefined HIP symbols on purpose: they bind to the runtime torch loaded (see the
-# comment at the top of kernels/gpu/engram_gather.cu).
+# comment at the top of kernels/cuda/engram_gather.cu).
 $(HIP_LIB): $(HIP_OBJ)
 	$(CXX) -shared -o $@ $<
 

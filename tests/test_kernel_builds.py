@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("ENGRAM_KERNELS_DIR", ROOT / "build" / "kernels"))
 COMMON = ROOT / "kernels" / "common" / "engram_gather.h"
 # One launcher source for both GPU vendors (CUDA calls renamed to HIP's in compat.h).
-GPU_SOURCES = (ROOT / "kernels/gpu/engram_gather.cu", ROOT / "kernels/gpu/compat.h")
+GPU_SOURCES = tuple(ROOT / p for p in ("kernels/cuda/engram_gather.cu", "kernels/cuda/compat.h",
+                                       "kernels/cuda/vendor.h", "kernels/hip/vendor.h"))
 CUDA_ARCHS = (89, 90, 100, 120)
 HIP_ARCHS = ("gfx942", "gfx950")
 # LLVM tools as mk/kernels.mk names them: Debian's clang-22 packages, or the ROCm image's own.

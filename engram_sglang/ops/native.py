@@ -1,6 +1,6 @@
 """ctypes bindings of the native gather libraries built by `make kernels`.
 
-The libraries are torch-free (kernels/cpu, and kernels/gpu for CUDA and HIP): raw pointers in, an
+The libraries are torch-free (kernels/cpu; kernels/cuda, built for CUDA and, through kernels/hip/vendor.h, for HIP): raw pointers in, an
 error code out. Loading is lazy and cached; a missing or stale library is reported as a
 reason string (the probe logs it and falls back), never as an import error.
 """
@@ -16,7 +16,7 @@ from typing import Optional
 
 from . import gpu_runtime
 
-# Per library: the GPU launchers share one source and one ABI (kernels/gpu/engram_gather.cu).
+# Per library: the GPU launchers share one source and one ABI (kernels/cuda/engram_gather.cu).
 ABI_VERSION = {"cpu": 1, "cuda": 2, "hip": 2}
 LIB_NAMES = {"cpu": "libengram_cpu.so", "cuda": "libengram_cuda.so", "hip": "libengram_hip.so"}
 

@@ -12,7 +12,7 @@
 //
 // Layering: this header has no torch and no vendor API. What differs by target (the native
 // fp8 conversion instruction, warp 32 vs wavefront 64, launch shape) lives in the GPU
-// launcher's compat header (kernels/gpu/compat.h); the launcher plugs a decoder into the
+// launcher's compat header (kernels/cuda/compat.h, with kernels/cuda/vendor.h and kernels/hip/vendor.h); the launcher plugs a decoder into the
 // templates below.
 // A decoder is a type with
 //     static ENGRAM_HD void decode4(uint32_t word, float v[4]);   // 4 fp8 bytes, low first

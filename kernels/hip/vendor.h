@@ -1,23 +1,8 @@
-// compat.h: the one place where CUDA and HIP differ for the GPU launcher (engram_gather.cu).
-//
-// llama.cpp's way: the launcher is written once against the CUDA runtime API; under HIP the
-// names below rename it to HIP's. Besides the renames, only what the hardware makes different
-// lives here: the native fp8 decoder of each target, the wavefront width, the launch limit,
-// and the prefix of the exported entry points (engram_cuda_* / engram_hip_*, one ABI).
+// AMD (HIP, clang -x hip) side of the GPU launcher: the CUDA runtime names renamed to HIP's,
+// wavefront 64, HIP's launch limit and the native fp8 decode of gfx942 / gfx950. Included
+// only by kernels/cuda/compat.h.
 #pragma once
 
-#include <stdint.h>
-
-// The runtime header first: it defines the qualifiers the shared logic uses.
-#if defined(__HIP__)
-#include <hip/hip_runtime.h>
-#else
-#include <cuda_runtime.h>
-#endif
-
-#include "../common/engram_gather.h"
-
-#if defined(__HIP__)  // clang -x hip (AMD) ------------------------------------------------
 #define ENGRAM_VENDOR hip
 #define cudaError_t hipError_t
 #define cudaSuccess hipSuccess
@@ -77,41 +62,3 @@ struct NativeE4m3fn {
 };
 }  // namespace engram_gpu
 
-#else  // nvcc (NVIDIA) ---------------------------------------------------------------------
-#define ENGRAM_VENDOR cuda
-
-namespace engram_gpu {
-constexpr int kWarpSize = 32;
-constexpr int kBlockThreads = 8 * kWarpSize;  // 8 warps: 8 rows per pass
-constexpr int64_t kMaxBlocks = 0x7FFFFFFFll;  // CUDA's grid x limit (6.8e10 rows)
-
-// e4m3fn -> fp32 through the native pair conversion (sm_89 and later): fp8x2 -> f16x2 (exact:
-// every e4m3 value is an f16 normal or zero), then f16 -> f32 (exact). The instruction returns
-// NaN for the NaN codes 0x7F/0xFF, which is the OCP meaning.
-struct NativeE4m3fn {
-    static __device__ __forceinline__ void decode2(uint32_t pair, float& a, float& b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-        uint32_t h2;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(pair)));
-        asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
-            "cvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
-            : "=f"(a), "=f"(b)
-            : "r"(h2));
-#else
-        // Older targets (only if someone adds them to the build): the portable decode.
-        a = engram::e4m3fn_to_f32(pair & 0xFFu);
-        b = engram::e4m3fn_to_f32((pair >> 8) & 0xFFu);
-#endif
-    }
-    static __device__ __forceinline__ void decode4(uint32_t w, float v[4]) {
-        decode2(w & 0xFFFFu, v[0], v[1]);
-        decode2(w >> 16, v[2], v[3]);
-    }
-};
-}  // namespace engram_gpu
-#endif
-
-// engram_cuda_<name> / engram_hip_<name>: the same entry points and signatures for both.
-#define ENGRAM_CAT2(a, b, c) a##b##c
-#define ENGRAM_CAT(a, b, c) ENGRAM_CAT2(a, b, c)
-#define ENGRAM_API(name) ENGRAM_CAT(engram_, ENGRAM_VENDOR, _##name)

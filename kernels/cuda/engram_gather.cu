@@ -1,6 +1,6 @@
 // The GPU launcher of the Engram gather, one source for CUDA (nvcc) and HIP (clang -x hip).
 //
-// kernels/common/engram_gather.h holds the logic; kernels/gpu/compat.h renames the CUDA runtime
+// kernels/common/engram_gather.h holds the logic; kernels/cuda/compat.h renames the CUDA runtime
 // calls to HIP's and holds what the hardware makes different (native fp8 decoders, wavefront
 // width, launch limit). Torch-free: called through ctypes with raw pointers and the caller's
 // stream, so it also runs where torch's own extension toolchain is absent.
