@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.engram-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu gpu-check clean
 .DEFAULT_GOAL := test
 
 setup: $(SETUP_STAMP)
@@ -25,8 +25,18 @@ demo: setup rowio
 test: setup $(TEST_PREREQS)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The GPU images (CI): the gpu-marked tests with the image's SGLang, then the one GPU check.
 test-gpu: setup $(TEST_PREREQS)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory gpu-check
+
+# The one command a lent GPU runs: the machine's python3, the package from this tree, the
+# native libraries prebuilt in build/kernels (carried). No setup, toolchain or SGLang, on
+# purpose: no prerequisites. Table on stdout, JSON in $OUT (default bench/out); exit 1 on
+# any failure. GPU_CHECK_ARGS=--quick (<= 2 min), --dry-run (CPU parts), --list.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=. python3 bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build .pytest_cache

@@ -1,0 +1,874 @@
+"""The checks of bench/gpu_check.py: what only a GPU can show, each with a CPU part.
+
+Every check is one function of a `Ctx` (the device, the table directories, the oracle). On a
+GPU it runs the real thing; under `--dry-run` (ctx.gpu False) the same function runs on the
+CPU with small sizes: the oracle, the table writer, the stores with device="cpu", the Triton
+kernel in the interpreter, graph capture replaced by eager calls (`Replayer`). What the CPU
+cannot show (capture, streams, registered host memory, offsets past 4 GiB) is what the GPU
+run adds.
+
+Tables are written with the package's own writer from a formula (`row_bytes`): any row can be
+recomputed on the CPU, so the oracle needs no copy of a 4 GiB table, and rows 2^32 bytes
+apart differ (a 32-bit offset that wraps reads the wrong row, which shows).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_BYTES = 264
+PAYLOAD = 256
+LINES_PER_ROW = 5  # a 264-byte row at an 8-byte aligned offset touches five 64-byte lines
+BIG_LAYER = 1
+SMALL_LAYERS = (1, 2)
+
+
+class Skip(Exception):
+    """The check cannot run here; the message says why (reported, not a failure)."""
+
+
+# ------------------------------------------------------------------ table content and oracle
+def row_bytes(torch, ids, seed: int):
+    """Packed bytes uint8 [n, 264] of global rows `ids` (int64, any device): a 32-bit hash of
+    (row, column, seed). Exact integer ops, so the GPU and the CPU compute the same bytes."""
+    col = torch.arange(ROW_BYTES, device=ids.device, dtype=torch.int64)
+    x = (ids.reshape(-1, 1) * 0x9E3779B1 + col * 0x7FEB352D + seed) & 0xFFFFFFFF  # < 2^58: no overflow
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x & 0xFF).to(torch.uint8)
+
+
+def layer_seed(tag: str, layer_id: int) -> int:
+    return {"big": 0x1234, "small": 0x5678}[tag] + 7919 * layer_id
+
+
+def oracle_lut(torch):
+    """int16 bf16 bits [scale byte, fp8 byte] from the definitions (docs/engram.md section 4):
+    e4m3fn value x 2^(e8m0 - 127), rounded once to bf16; NaN -> 0x7FC0, every zero +0."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    value = sign * np.where(e == 0, m / 8.0 * 2.0**-6, (1.0 + m / 8.0) * 2.0 ** (e - 7.0))
+    value[(b & 0x7F) == 0x7F] = np.nan
+    scale = 2.0 ** (np.arange(256) - 127.0)
+    scale[255] = np.nan
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = (scale[:, None] * value[None, :]).astype(np.float32)
+    bf = torch.from_numpy(prod).to(torch.bfloat16)
+    bits = bf.view(torch.int16).clone()
+    bits[torch.isnan(bf)] = 0x7FC0
+    bits[bits == -32768] = 0
+    return bits
+
+
+def bits_of(torch, x):
+    """Raw int16 bit patterns [n, 256] on the CPU (no NaN canonicalization: the op promises it)."""
+    return x.reshape(-1, PAYLOAD).view(torch.int16).cpu()
+
+
+def check_bits(torch, got, want, ids, label: str) -> None:
+    g = bits_of(torch, got)
+    if not torch.equal(g, want):
+        bad = (g != want).any(1).nonzero().flatten()
+        some = ids.reshape(-1).cpu()[bad[:5]].tolist()
+        raise AssertionError(f"{label}: {bad.numel()} of {want.shape[0]} rows differ from the oracle (ids {some} ...)")
+
+
+# ------------------------------------------------------------------ context
+@dataclass
+class Sizes:
+    big_rows: int  # rows of the one-layer big table (GPU: past 2^32 bytes)
+    small_rows: int  # rows per layer of the two-layer small table
+    decode: int  # ids of a decode-sized call
+    prefill: int  # ids of a prefill-sized call (0: none)
+    disk_steps: int
+    disk_ids: int
+    drop_steps: int
+    cache_bytes: int
+    cache_ids: int
+    cache_replays: int
+    cache_batches: tuple  # batch sizes captured (tokens; 24 row ids each)
+
+
+def sizes(gpu: bool, quick: bool) -> Sizes:
+    if gpu:
+        return Sizes(big_rows=2**32 // ROW_BYTES + (1 << 20), small_rows=1 << 20, decode=256 * 24,
+                     prefill=0 if quick else 8192 * 24, disk_steps=1000, disk_ids=256, drop_steps=100 if quick else 200,
+                     cache_bytes=32 << 20, cache_ids=4096, cache_replays=48,
+                     cache_batches=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128))
+    return Sizes(big_rows=12_000, small_rows=8_000, decode=96, prefill=0, disk_steps=60, disk_ids=32, drop_steps=20,
+                 cache_bytes=2 << 20, cache_ids=128, cache_replays=32, cache_batches=(1, 2, 4, 8))
+
+
+class Ctx:
+    """One worker's state: the device, sizes, oracle, and what checks share (built lazily,
+    kept while the worker lives: the HBM table, opened host stores)."""
+
+    def __init__(self, *, gpu: bool, quick: bool, scratch: Path, out_dir: Path):
+        import torch
+
+        sys.path.insert(0, str(ROOT))
+        self.torch = torch
+        self.gpu, self.quick, self.scratch, self.out_dir = gpu, quick, Path(scratch), Path(out_dir)
+        if gpu:
+            if not torch.cuda.is_available():
+                raise RuntimeError("no GPU visible to torch (run with --dry-run for the CPU parts)")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.kind = "hip" if torch.version.hip else "cuda"
+        else:
+            self.device = torch.device("cpu")
+            self.kind = "cpu"
+        self.size = sizes(gpu, quick)
+        self.lut = oracle_lut(torch)
+        self._hbm = None
+        self._host: dict[str, object] = {}
+        self.oracle_memo: dict[tuple, object] = {}
+        self._closers: list[Callable[[], None]] = []
+
+    # the tables ------------------------------------------------------------
+    def config(self, tag: str):
+        from engram_sglang.config import EngramConfig
+
+        # One column per layer (2-grams, one head): a layer's rows are the first prime >= vocab_size.
+        rows, layers = (self.size.big_rows, (BIG_LAYER,)) if tag == "big" else (self.size.small_rows, SMALL_LAYERS)
+        return EngramConfig(layer_ids=layers, max_ngram_size=2, n_heads=1, head_dim=PAYLOAD, vocab_size=rows,
+                            compressed_vocab_size=1000, pad_token_id=0, source=f"gpu_check {tag} table")
+
+    def table_dir(self, tag: str) -> Path:
+        return self.scratch / f"table-{tag}"
+
+    def rows(self, tag: str, layer_id: int) -> int:
+        from engram_sglang.hashing import EngramLayout
+
+        return EngramLayout(self.config(tag)).rows(layer_id)
+
+    def opened(self, tag: str) -> Path:
+        """The table directory, checked (written by the `tables` check)."""
+        from engram_sglang.tablefile import open_tables
+
+        path = self.table_dir(tag)
+        try:
+            open_tables(path, self.config(tag))
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"no {tag} table ({e}): the tables check did not finish") from None
+        return path
+
+    def expect(self, ids, lo: int, hi: int, seed: int):
+        """Oracle bits [n, 256] of global ids against a table holding rows [lo, hi)."""
+        torch = self.torch
+        idx = ids.reshape(-1).cpu().long()
+        out = torch.empty((idx.numel(), PAYLOAD), dtype=torch.int16)
+        for a in range(0, idx.numel(), 1 << 16):  # bounded temporaries on big id sets
+            part = idx[a:a + (1 << 16)]
+            live = (part >= lo) & (part < hi)
+            rows = row_bytes(torch, torch.where(live, part, 0), seed)
+            bits = self.lut[rows[:, PAYLOAD:].long().repeat_interleave(32, dim=1), rows[:, :PAYLOAD].long()]
+            bits[~live] = 0
+            out[a:a + part.numel()] = bits
+        return out
+
+    def hbm(self):
+        """The big table's layer in device memory (RAM under --dry-run), built from the formula
+        (not from the file: an independent path to the same bytes)."""
+        if self._hbm is None:
+            torch = self.torch
+            n = self.rows("big", BIG_LAYER)
+            t = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device=self.device)
+            step = 1 << 20
+            for a in range(0, n, step):
+                ids = torch.arange(a, min(n, a + step), device=self.device)
+                t[a:a + ids.numel()] = row_bytes(torch, ids, layer_seed("big", BIG_LAYER))
+            self._hbm = t
+        return self._hbm
+
+    def host_store(self, backend: str):
+        """The big table's layer through HostStore (registered with the GPU by the store), one
+        store per backend actually run ("auto" shares the store of the backend it resolves to)."""
+        from engram_sglang.ops import probe
+
+        if backend == "auto":
+            backend = probe.select_backend(self.device).backend
+        if backend not in self._host:
+            from engram_sglang.stores import open_store
+
+            stores = open_store(self.opened("big"), "host", device=self.device, backend=backend)
+            self._closers.append(lambda s=stores: [x.close() for x in s.values()])
+            self._host[backend] = stores[BIG_LAYER]
+        return self._host[backend]
+
+    def backends(self) -> list[str]:
+        """Backends every correctness check runs: the native library, Triton, the probe's choice."""
+        return [self.kind, "triton", "auto"]
+
+    def id_sets(self, rows: int, gen_seed: int, out_of_range: bool) -> dict:
+        """label -> int64 CPU ids: one id, edges (the 2^31 / 2^32 byte offsets, the last rows),
+        the tail past 4 GiB, decode- and prefill-sized random sets."""
+        torch = self.torch
+        gen = torch.Generator().manual_seed(gen_seed)
+        edges = [0, 1, 255, rows // 2, rows - 256, rows - 2, rows - 1]
+        for limit in (2**31, 2**32):
+            first = -(-limit // ROW_BYTES)  # the first row at or past this byte offset
+            edges += [r for r in (first - 2, first - 1, first, first + 1) if 0 <= r < rows]
+        sets = {"1": torch.randint(0, rows, (1,), generator=gen), "edges": torch.tensor(edges)}
+        if rows * ROW_BYTES > 2**32:
+            first = 2**32 // ROW_BYTES + 1
+            sets["past 4 GiB"] = torch.randint(first, rows, (4096,), generator=gen)
+        else:
+            sets["tail"] = torch.randint(rows - min(rows, 4096), rows, (min(rows, 256),), generator=gen)
+        sets["decode"] = torch.randint(0, rows, (self.size.decode,), generator=gen)
+        if self.size.prefill:
+            sets["prefill"] = torch.randint(0, rows, (self.size.prefill,), generator=gen)
+        if out_of_range:  # read as +0 rows, never out of bounds
+            sets["outside"] = torch.tensor([-1, rows, rows + 7, -(2**31), 2**31 - 1])
+        return sets
+
+    def ids_on_device(self, ids, dtype):
+        return ids.to(dtype).to(self.device)
+
+    def synchronize(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+    def healthy(self) -> bool:
+        """After a failure: can this process still run a kernel? (An illegal address poisons it.)"""
+        try:
+            t = self.torch.ones(4, device=self.device)
+            return float((t + 1).sum().item()) == 8.0
+        except Exception:  # noqa: BLE001
+            return False
+
+    def close(self) -> None:
+        for c in reversed(self._closers):
+            try:
+                c()
+            except Exception:  # noqa: BLE001 - closing at exit; the checks already reported
+                pass
+        self._closers.clear()
+
+
+class Replayer:
+    """SGLang-style capture: eager warm-up calls on a side stream, one capture, replays.
+    Under --dry-run every replay is an eager call (the same code path minus the capture)."""
+
+    def __init__(self, ctx: Ctx, fn, warmup: int = 2, pool=None, stream=None):
+        torch = ctx.torch
+        self.ctx, self.fn = ctx, fn
+        if not ctx.gpu:
+            for _ in range(warmup):
+                fn()
+            self.result = fn()
+            return
+        s = stream or torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=s):
+            self.result = fn()
+        torch.cuda.synchronize()
+
+    def replay(self):
+        if self.ctx.gpu:
+            self.graph.replay()
+        else:
+            self.result = self.fn()
+        return self.result
+
+
+def side_stream(ctx: Ctx):
+    """A non-default stream to run on (SGLang's forward stream is one), or a null context on the CPU."""
+    import contextlib
+
+    if not ctx.gpu:
+        return contextlib.nullcontext()
+    s = ctx.torch.cuda.Stream()
+    s.wait_stream(ctx.torch.cuda.current_stream())
+    return ctx.torch.cuda.stream(s)
+
+
+def delay(ctx: Ctx) -> None:
+    """Keep the current stream busy ~100 us, so work that does not wait for it reads stale data."""
+    if ctx.gpu:
+        sleep = getattr(ctx.torch.cuda, "_sleep", None)
+        if sleep is not None:
+            sleep(200_000)
+        else:
+            a = ctx.torch.ones((2048, 2048), device=ctx.device)
+            a @ a
+
+
+# ------------------------------------------------------------------ checks
+def check_device(ctx: Ctx):
+    """The native library loads and runs on this device; the probe picks it."""
+    from engram_sglang.ops import native, probe
+
+    torch = ctx.torch
+    info = {"torch": torch.__version__, "python": sys.version.split()[0], "kind": ctx.kind}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        info["triton"] = f"does not import: {e}"
+    lib, why = native.try_load(ctx.kind)
+    if lib is None:
+        raise RuntimeError(f"the native {ctx.kind} library does not load: {why}")
+    info["native"] = f"{lib.path.name} ({' '.join(lib.targets) or 'host'})"
+    if ctx.gpu:
+        props = torch.cuda.get_device_properties(ctx.device)
+        info["device"] = props.name
+        info["arch"] = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+        code = native.check_device(lib, ctx.device.index)
+        if code != 0:
+            raise RuntimeError(f"the native library cannot run on this GPU ({info['arch']}): "
+                               f"{lib.path.name}: {lib.error_string(code)} (code {code})")
+    else:
+        for other in ("cuda", "hip"):  # load-only here: no device to check against
+            olib, owhy = native.try_load(other)
+            info[f"{other}_library"] = f"loads, targets {' '.join(olib.targets)}" if olib else owhy
+    choice = probe.select_backend(ctx.device)
+    info["probe"] = choice.line()
+    info["device_info"] = choice.device.describe()
+    if choice.backend != ctx.kind:
+        raise RuntimeError(f"the probe chose {choice.backend}, not the native {ctx.kind} backend: {choice.line()}")
+    where = f"{info['device']} ({info['arch']})" if ctx.gpu else "CPU"
+    return f"{where}: {info['native']} runs; probe: {choice.backend}", info
+
+
+def check_tables(ctx: Ctx):
+    """Write the big (one layer) and small (two layers) tables with the package's writer."""
+    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.tablefile import open_tables, write_tables
+
+    torch = ctx.torch
+    made = []
+    for tag in ("big", "small"):
+        cfg = ctx.config(tag)
+        layout = EngramLayout(cfg)
+        root = ctx.table_dir(tag)
+        t0 = time.perf_counter()
+
+        def chunks(layer_id, n, tag=tag):
+            step = 1 << 20 if ctx.gpu else 1 << 14
+            for a in range(0, n, step):
+                ids = torch.arange(a, min(n, a + step), device=ctx.device)
+                yield row_bytes(torch, ids, layer_seed(tag, layer_id)).cpu().numpy()
+
+        write_tables(root, cfg, {L: chunks(L, layout.rows(L)) for L in cfg.layer_ids}, progress=False)
+        tables = open_tables(root, cfg)
+        # The file holds the formula's bytes (so a later mismatch is the read path's).
+        for L in cfg.layer_ids:
+            n = layout.rows(L)
+            probe_ids = torch.cat([torch.randint(0, n, (512,)), torch.arange(max(0, n - 64), n)])
+            got = torch.from_numpy(np.ascontiguousarray(tables[L][probe_ids.numpy()]))
+            if not torch.equal(got, row_bytes(torch, probe_ids, layer_seed(tag, L))):
+                raise AssertionError(f"{root}: layer {L} does not hold the rows written")
+        gib = layout.table_bytes(ROW_BYTES) / 2**30
+        made.append(f"{tag} {gib:.2f} GiB ({'+'.join(str(layout.rows(L)) for L in cfg.layer_ids)} rows) in "
+                    f"{time.perf_counter() - t0:.0f} s")
+    return "; ".join(made)
+
+
+def _correct(ctx: Ctx, gather, rows: int, seed: int, out_of_range: bool, lo: int = 0, hi: int | None = None) -> str:
+    """Every id set, int32 and int64 ids, against the oracle; `gather(ids, out)` returns rows."""
+    torch = ctx.torch
+    hi = rows if hi is None else hi
+    n = 0
+    for label, ids in ctx.id_sets(rows, 1, out_of_range).items():
+        key = (label, rows, lo, hi, seed)  # the same sets serve every backend: compute the oracle once
+        if key not in ctx.oracle_memo:
+            ctx.oracle_memo[key] = ctx.expect(ids, lo, hi, seed)
+        want = ctx.oracle_memo[key]
+        for dt in (torch.int32, torch.int64):
+            if dt == torch.int32 and (ids.min() < -(2**31) or ids.max() >= 2**31):
+                continue
+            d_ids = ctx.ids_on_device(ids, dt)
+            # int64 ids: into the caller's buffer (NaN-filled: unwritten rows show); int32: allocated.
+            out = None
+            if dt == torch.int64:
+                out = torch.full((ids.numel(), PAYLOAD), float("nan"), dtype=torch.bfloat16, device=ctx.device)
+            got = gather(d_ids, out)
+            ctx.synchronize()
+            check_bits(torch, got, want, ids, f"{label} ({str(dt).removeprefix('torch.')} ids)")
+            n += 1
+    return f"{n} id sets bit-exact"
+
+
+def check_hbm(ctx: Ctx, backend: str):
+    """The op with `backend` from a device-memory table (past 4 GiB on a GPU) and from a shard of it."""
+    from engram_sglang.ops import gather_dequant, probe
+
+    if backend == "triton":
+        _triton_runs(ctx, probe)
+    table = ctx.hbm()
+    rows, seed = table.shape[0], layer_seed("big", BIG_LAYER)
+    done = _correct(ctx, lambda ids, out: gather_dequant(table, ids, out=out, backend=backend), rows, seed, True)
+    # A shard: global rows [lo, hi) held by a slice; other ids are +0 rows.
+    lo, hi = rows - rows // 3, rows - 10
+    shard = table[lo:hi]
+    _correct(ctx, lambda ids, out: gather_dequant(shard, ids, out=out, row_range=(lo, hi), backend=backend),
+             rows, seed, True, lo, hi)
+    return f"{done} from a {table.numel() / 2**30:.2f} GiB table, and from a shard"
+
+
+def _triton_runs(ctx: Ctx, probe) -> None:
+    why = probe.rejection("triton", probe.read_device(ctx.device), probe.current_environment(ctx.kind))
+    if why:
+        raise Skip(f"Triton cannot run here: {why}")
+
+
+def check_host(ctx: Ctx, backend: str):
+    """HostStore (placement host, registered by the store) with `backend`: store.gather."""
+    from engram_sglang.ops import probe
+
+    if backend == "triton":
+        _triton_runs(ctx, probe)
+    store = ctx.host_store(backend)
+    if store.backend != (ctx.kind if backend == "auto" else backend):
+        raise AssertionError(f"the store runs backend {store.backend}, asked for {backend}")
+    done = _correct(ctx, lambda ids, out: store.gather(ids, out=out), store.rows, layer_seed("big", BIG_LAYER), False)
+    return f"{done}; {store.describe()}"
+
+
+def check_host_shard(ctx: Ctx):
+    """HostStore of rank 1 of 2 (it registers its half): its rows, +0 rows for the other half."""
+    from engram_sglang.stores import open_store
+
+    stores = open_store(ctx.opened("big"), "host", device=ctx.device, tp_rank=1, tp_size=2)
+    try:
+        store = stores[BIG_LAYER]
+        lo, hi = store.row_range
+        done = _correct(ctx, lambda ids, out: store.gather(ids, out=out), store.rows, layer_seed("big", BIG_LAYER),
+                        False, lo, hi)
+        return f"{done}; rows {lo}..{hi - 1} of {store.rows}"
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def check_graphs(ctx: Ctx):
+    """Each backend's gather captured once (after eager warm-up on a side stream), replayed on new ids,
+    from the HBM table and through HostStore."""
+    from engram_sglang.ops import gather_dequant, probe
+
+    torch = ctx.torch
+    backends = list(ctx.backends())
+    skipped = []
+    try:
+        _triton_runs(ctx, probe)
+    except Skip as e:
+        backends.remove("triton")
+        skipped.append(str(e))
+    n = 0
+    seed = layer_seed("big", BIG_LAYER)
+    for backend in backends:
+        for where in ("hbm", "host"):
+            if where == "hbm":
+                table = ctx.hbm()
+                rows = table.shape[0]
+                fn = lambda ids, out, t=table, b=backend: gather_dequant(t, ids, out=out, backend=b)  # noqa: E731
+            else:
+                store = ctx.host_store(backend)
+                rows = store.rows
+                fn = lambda ids, out, s=store: s.gather(ids, out=out)  # noqa: E731
+            ids = torch.zeros(ctx.size.decode, dtype=torch.int64, device=ctx.device)
+            out = torch.empty((ctx.size.decode, PAYLOAD), dtype=torch.bfloat16, device=ctx.device)
+            rep = Replayer(ctx, lambda: fn(ids, out))
+            gen = torch.Generator().manual_seed(2)
+            for k in range(3):
+                new = torch.randint(0, rows, (ctx.size.decode,), generator=gen)
+                ids.copy_(new)
+                rep.replay()
+                ctx.synchronize()
+                check_bits(torch, out, ctx.expect(new, 0, rows, seed), new, f"{backend} from {where}, replay {k}")
+                n += 1
+    return f"{n} replays bit-exact ({', '.join(backends)}; hbm and host)" + (f"; {skipped[0]}" if skipped else "")
+
+
+def _cache(ctx: Ctx):
+    from engram_sglang.stores import open_store
+
+    stores = open_store(ctx.opened("small"), "host", device=ctx.device, cache_bytes=ctx.size.cache_bytes)
+    return stores, stores[SMALL_LAYERS[0]]
+
+
+def _skewed(ctx: Ctx, gen, rows: int, n: int, hot: int):
+    """90% of ids from a hot set of `hot` rows (spread over the table), 10% uniform."""
+    torch = ctx.torch
+    hot_ids = (torch.arange(hot, dtype=torch.int64) * 7919 + 13) % rows
+    pick = hot_ids[torch.randint(0, hot, (n,), generator=gen)]
+    cold = torch.randint(0, rows, (n,), generator=gen)
+    return torch.where(torch.rand(n, generator=gen) < 0.9, pick, cold)
+
+
+def check_cache_capture(ctx: Ctx):
+    """HotRowCache (store defaults) captured as SGLang does: per batch size two eager warm-up calls
+    and a capture on the capture stream, one memory pool; then every graph replayed on new ids,
+    the between-steps maintenance after each: bit-exact."""
+    torch = ctx.torch
+    stores, cache = _cache(ctx)
+    try:
+        seed, rows = layer_seed("small", SMALL_LAYERS[0]), cache.rows
+        pool = torch.cuda.graph_pool_handle() if ctx.gpu else None
+        stream = torch.cuda.Stream() if ctx.gpu else None
+        graphs = []
+        for bs in ctx.size.cache_batches:
+            ids = torch.zeros(bs * 24, dtype=torch.int64, device=ctx.device)
+            graphs.append((ids, Replayer(ctx, lambda ids=ids: cache.gather(ids), pool=pool, stream=stream)))
+        gen = torch.Generator().manual_seed(3)
+        for rnd in range(3):
+            for ids, rep in graphs:
+                new = _skewed(ctx, gen, rows, ids.numel(), 512)
+                ids.copy_(new)
+                got = rep.replay()
+                ctx.synchronize()
+                check_bits(torch, got, ctx.expect(new, 0, rows, seed), new, f"batch {ids.numel() // 24}, round {rnd}")
+                _between_steps(cache)
+        return f"{len(graphs)} batch sizes captured, 3 rounds of replays bit-exact; {cache.describe()}"
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def _between_steps(cache):
+    """What the serving layer runs after every forward step (outside any graph): the stores'
+    maintenance entry where this tree has it, else the cache's own maintain()."""
+    try:
+        from engram_sglang.stores import maintenance
+    except ImportError:
+        maintenance = None
+    if maintenance is not None and hasattr(maintenance, "between_steps"):
+        maintenance.between_steps()
+        return "maintenance.between_steps() after every step"
+    cache.maintain()
+    return "HotRowCache.maintain() after every step"
+
+
+def check_cache_replay(ctx: Ctx):
+    """One captured cache gather replayed with new skewed ids, the between-steps maintenance
+    after every replay: the hit rate rises, replays are counted by the device counters, rows
+    bit-exact vs the oracle and vs the store below."""
+    torch = ctx.torch
+    stores, cache = _cache(ctx)
+    try:
+        seed, rows, d = layer_seed("small", SMALL_LAYERS[0]), cache.rows, cache.directory
+        n = ctx.size.cache_ids
+        hot = max(16, min(d.slots // 2, n))
+        ids = torch.zeros(n, dtype=torch.int64, device=ctx.device)
+        rep = Replayer(ctx, lambda: cache.gather(ids))
+        gen = torch.Generator().manual_seed(4)
+        lookups0, maint0, rates, how = d.lookups, d.maintenances, [], ""
+        for k in range(ctx.size.cache_replays):
+            new = _skewed(ctx, gen, rows, n, hot)
+            ids.copy_(new)
+            hits0, reads0 = d.hits, d.reads
+            got = rep.replay()
+            ctx.synchronize()
+            rates.append((d.hits - hits0) / max(1, d.reads - reads0))
+            check_bits(torch, got, ctx.expect(new, 0, rows, seed), new, f"replay {k}")
+            inner = cache.inner.gather(ids)
+            ctx.synchronize()
+            if not torch.equal(bits_of(torch, got), bits_of(torch, inner)):
+                raise AssertionError(f"replay {k}: rows differ from the store below")
+            how = _between_steps(cache)
+        replays, maintained = d.lookups - lookups0, d.maintenances - maint0
+        if replays != ctx.size.cache_replays:
+            raise AssertionError(f"{ctx.size.cache_replays} replays, but the directory counted {replays} lookups")
+        first, last = rates[0], sum(rates[-8:]) / len(rates[-8:])
+        shown = f"first replay {first:.2f}, mean of the last 8 {last:.2f}"
+        if not (first < 0.2 and last > 0.6):
+            raise AssertionError(f"the hit rate does not rise: {shown} ({maintained} maintenances)")
+        if maintained < 1:
+            raise AssertionError(f"no maintenance ran in {replays} steps ({how})")
+        return f"hit rate {shown}; {maintained} maintenances ({how}), {d.admitted} rows admitted"
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def check_disk_prefetch(ctx: Ctx):
+    """Disk placement on a GPU: ids made by a kernel on a side stream (after ~100 us of other work
+    there), prefetch issued and waited on that stream, rows copied on it; fresh ids every step."""
+    from engram_sglang.stores import open_store
+
+    torch = ctx.torch
+    stores = open_store(ctx.opened("small"), "disk", device=ctx.device)
+    try:
+        store = stores[SMALL_LAYERS[0]]
+        rows, seed = store.rows, layer_seed("small", SMALL_LAYERS[0])
+        steps, n = ctx.size.disk_steps, ctx.size.disk_ids
+        base = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(5))
+        d_base = base.to(ctx.device)
+        ids = torch.empty(n, dtype=torch.int64, device=ctx.device)
+        results = torch.empty((steps, n, PAYLOAD), dtype=torch.bfloat16, device=ctx.device)
+        with side_stream(ctx):
+            for step in range(steps):
+                delay(ctx)
+                torch.remainder(d_base * 7919 + step * 104729, rows, out=ids)  # this step's ids, made here
+                handle = store.prefetch(ids)
+                results[step].copy_(handle.wait())
+        ctx.synchronize()
+        all_ids = torch.remainder(base.view(1, -1) * 7919 + torch.arange(steps).view(-1, 1) * 104729, rows)
+        check_bits(torch, results, ctx.expect(all_ids, 0, rows, seed), all_ids, f"{steps} steps")
+        return f"{steps} steps x {n} ids bit-exact; {store.describe()}"
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def check_dropped_handles(ctx: Ctx):
+    """Each step a consumed prefetch and a dropped one (released, never waited on), on a side
+    stream, host and disk placements; a same-sized canary allocated after each drop must stay
+    intact and the consumed rows bit-exact (no allocator reuse while the dropped gather runs)."""
+    from engram_sglang.stores import Prefetch, open_store
+
+    torch = ctx.torch
+    has_release = hasattr(Prefetch, "release")
+    if ctx.gpu and not has_release:
+        raise AssertionError("Prefetch has no release(): a dropped handle cannot be ordered")
+    notes = []
+    for placement, layer in (("host", SMALL_LAYERS[0]), ("disk", SMALL_LAYERS[1])):
+        stores = open_store(ctx.opened("small"), placement, device=ctx.device)
+        try:
+            store = stores[layer]
+            rows, seed = store.rows, layer_seed("small", layer)
+            steps, n = ctx.size.drop_steps, ctx.size.disk_ids
+            gen = torch.Generator().manual_seed(6)
+            kept = torch.randint(0, rows, (steps, n), generator=gen)
+            dropped = torch.randint(0, rows, (steps, n), generator=gen)
+            results = torch.empty((steps, n, PAYLOAD), dtype=torch.bfloat16, device=ctx.device)
+            canaries = torch.empty_like(results)
+            with side_stream(ctx):
+                for step in range(steps):
+                    h_keep = store.prefetch(ctx.ids_on_device(kept[step], torch.int64))
+                    h_drop = store.prefetch(ctx.ids_on_device(dropped[step], torch.int64))
+                    if has_release:
+                        h_drop.release()
+                    del h_drop
+                    canary = torch.full((n, PAYLOAD), 7.0, dtype=torch.bfloat16, device=ctx.device)
+                    results[step].copy_(h_keep.wait())
+                    canaries[step].copy_(canary)
+                    del canary
+            ctx.synchronize()
+            check_bits(torch, results, ctx.expect(kept, 0, rows, seed), kept, f"{placement}: kept handles")
+            if not bool((canaries == 7.0).all()):
+                raise AssertionError(f"{placement}: memory allocated after a dropped handle was overwritten")
+            # The store still serves exactly after all that.
+            last = dropped[-1]
+            check_bits(torch, store.gather(ctx.ids_on_device(last, torch.int64)), ctx.expect(last, 0, rows, seed),
+                       last, f"{placement}: gather after the drops")
+            notes.append(f"{placement} {steps} steps")
+        finally:
+            for s in stores.values():
+                s.close()
+    how = "released" if has_release else "dropped without release() (Prefetch has none in this tree)"
+    return f"{', '.join(notes)}: kept rows bit-exact, canaries intact; dropped handles {how}"
+
+
+def check_compile(ctx: Ctx):
+    """torch.compile(fullgraph=True) traces through the op (its fake implementation) and runs."""
+    from engram_sglang.ops import gather_dequant
+
+    torch = ctx.torch
+    if not ctx.gpu:
+        raise Skip("torch.compile runs on the GPU only here (a C++ toolchain for the CPU is not assumed)")
+    if ctx.quick:
+        raise Skip("not under --quick (compilation takes tens of seconds)")
+    table = ctx.hbm()
+    rows = table.shape[0]
+
+    @torch.compile(fullgraph=True)
+    def step(ids):
+        return gather_dequant(table, ids)
+
+    ids = torch.randint(0, rows, (8, 24), generator=torch.Generator().manual_seed(8))
+    got = step(ids.to(ctx.device))
+    ctx.synchronize()
+    check_bits(torch, got, ctx.expect(ids, 0, rows, layer_seed("big", BIG_LAYER)), ids, "compiled")
+    return "fullgraph compile bit-exact"
+
+
+def check_decode_step(ctx: Ctx, timeout: float):
+    """bench/decode_step.py (model-shaped decode steps, device vs host tables, bit check of every
+    placement's Engram outputs) with --graphs on a GPU, tiny under --dry-run; a subprocess."""
+    import json
+
+    args = ["--out", str(ctx.out_dir), "--table-dir", str(ctx.scratch / "decode-table")]
+    if ctx.gpu:
+        args += ["--graphs", "--steps", "10", "--repeats", "3"]
+        args += ["--table-gib", "1", "--batches", "64"] if ctx.quick else ["--table-gib", "2", "--batches", "64,256"]
+    else:
+        args += ["--small", "--layers", "4", "--engram-layers", "1,2", "--table-gib", "0.01", "--batches", "8",
+                 "--steps", "1", "--repeats", "1", "--warmup", "1", "--check-steps", "1"]
+    result = ctx.out_dir / "decode_step.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "bench" / "decode_step.py"), *args]
+    rc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr).returncode  # its tables go to the log
+    if not result.exists():
+        raise RuntimeError(f"decode_step.py exited {rc} and wrote no {result.name}")
+    summary = json.loads(result.read_text())["summary"]
+    line = (f"host/device decode throughput min {summary['host_vs_device_decode_min']}, Engram bits equal to "
+            f"device {summary['bits_equal_device']}, {len(summary['errors'])} variant error(s)")
+    if rc != 0:
+        raise AssertionError(f"decode_step.py exited {rc}: {line}; {'; '.join(summary['errors'])[:300]}")
+    return line, {"decode_step": summary}
+
+
+def time_graph(ctx: Ctx, fn, iters: int) -> float:
+    """Seconds per call: `iters` calls captured in one graph, timed by CUDA events, best of 3 (the
+    Python cost of a call stays out; what is measured is the device's). CPU: wall clock."""
+    torch = ctx.torch
+    if not ctx.gpu:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    Replayer(ctx, fn, warmup=1)  # compiled and warm
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3 / iters)
+    return best
+
+
+def copy_limits(ctx: Ctx) -> dict:
+    """Same-run limits: device copy (bytes read + written) and host-to-device from pinned memory."""
+    torch = ctx.torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    if not ctx.gpu:
+        import common
+
+        return {"d2d_bytes_per_s": common.torch_copy_bandwidth(32 << 20), "h2d_bytes_per_s": float("nan")}
+    from gpu_check import time_gpu
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+    dst = torch.empty_like(src)
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    lim = {"d2d_bytes_per_s": 2 * n / time_gpu(torch, lambda: dst.copy_(src), 10),
+           "h2d_bytes_per_s": n / time_gpu(torch, lambda: dst.copy_(pinned, non_blocking=True), 5)}
+    del src, dst, pinned
+    return lim
+
+
+def check_bandwidth(ctx: Ctx):
+    """Decode- and prefill-sized gathers from HBM and through HostStore, per backend, against the
+    same-run device copy and host-to-device copy."""
+    from engram_sglang.ops import gather_dequant, probe
+
+    torch = ctx.torch
+    lim = copy_limits(ctx)
+    backends = [ctx.kind, "auto"]
+    try:
+        _triton_runs(ctx, probe)
+        if ctx.gpu:  # the interpreter's speed means nothing
+            backends.insert(1, "triton")
+    except Skip:
+        pass
+    table = ctx.hbm()
+    rows = table.shape[0]
+    gen = torch.Generator().manual_seed(7)
+    rows_out = []
+    batches = [("decode", ctx.size.decode, 200)] + ([("prefill", ctx.size.prefill, 20)] if ctx.size.prefill else [])
+    for batch, n, iters in batches:
+        iters = max(2, iters // (4 if ctx.quick else 1)) if ctx.gpu else 3
+        ids = torch.randint(0, rows, (n,), generator=gen).to(ctx.device)
+        out = torch.empty((n, PAYLOAD), dtype=torch.bfloat16, device=ctx.device)
+        for backend in backends:
+            for where in ("hbm", "host") if backend != "auto" else ("hbm",):  # a host store's "auto" is its native
+                if where == "hbm":
+                    fn = lambda b=backend: gather_dequant(table, ids, out=out, backend=b)  # noqa: E731
+                else:
+                    store = ctx.host_store(backend)
+                    fn = lambda s=store: s.gather(ids, out=out)  # noqa: E731
+                sec = time_graph(ctx, fn, iters)
+                r = {"batch": batch, "placement": where, "backend": backend, "ids": n, "us": sec * 1e6,
+                     "rows_per_s": n / sec}
+                if where == "hbm":
+                    r["gb_s"] = n * (ROW_BYTES + 2 * PAYLOAD) / sec / 1e9
+                    r["vs_copy"] = n * (ROW_BYTES + 2 * PAYLOAD) / sec / lim["d2d_bytes_per_s"]
+                else:  # what crosses the link: the 64-byte lines each row touches
+                    r["gb_s"] = n * LINES_PER_ROW * 64 / sec / 1e9
+                    r["vs_copy"] = n * LINES_PER_ROW * 64 / sec / lim["h2d_bytes_per_s"]
+                rows_out.append(r)
+    lines = [f"same-run limits: device copy {lim['d2d_bytes_per_s'] / 1e9:.0f} GB/s (read + write), host-to-device "
+             f"{lim['h2d_bytes_per_s'] / 1e9:.1f} GB/s",
+             f"{'batch':8} {'placement':9} {'backend':8} {'ids':>7} {'us':>9} {'Mrows/s':>9} {'GB/s':>7} {'of copy':>8}"]
+    for r in rows_out:
+        lines.append(f"{r['batch']:8} {r['placement']:9} {r['backend']:8} {r['ids']:>7} {r['us']:>9.1f} "
+                     f"{r['rows_per_s'] / 1e6:>9.1f} {r['gb_s']:>7.1f} {r['vs_copy']:>8.0%}")
+    lines.append("GB/s: from HBM bytes read + written (264 + 512 per row); from host, 64-byte lines read (5 per row) "
+                 "against the host-to-device copy")
+    best = max((r for r in rows_out if r["placement"] == "host"), key=lambda r: r["vs_copy"])
+    return (f"{len(rows_out)} timings; host best {best['gb_s']:.1f} GB/s ({best['vs_copy']:.0%} of H2D copy)",
+            {"bandwidth": rows_out, "limits": lim, "table": lines})
+
+
+# ------------------------------------------------------------------ the list
+@dataclass(frozen=True)
+class Check:
+    name: str
+    fn: Callable  # fn(ctx) or fn(ctx, timeout) -> detail or (detail, data)
+    timeout: float  # seconds on a GPU, full run
+    quick_timeout: float
+    cpu_timeout: float = 120.0
+    wants_timeout: bool = False
+
+    def limit(self, gpu: bool, quick: bool) -> float:
+        return (self.quick_timeout if quick else self.timeout) if gpu else self.cpu_timeout
+
+    @property
+    def what(self) -> str:
+        return " ".join((self.fn.__doc__ or "").split())
+
+
+def _named(fn, *args):
+    f = lambda ctx, *rest: fn(ctx, *args, *rest)  # noqa: E731
+    f.__doc__ = fn.__doc__
+    return f
+
+
+def all_checks(kind: str) -> list[Check]:
+    """In priority order: the budget cuts from the end."""
+    return [
+        Check("device", check_device, 60, 60),
+        Check("tables", check_tables, 180, 180),
+        Check(f"hbm: {kind}", _named(check_hbm, kind), 90, 90),
+        Check("hbm: triton", _named(check_hbm, "triton"), 90, 90),
+        Check("hbm: auto", _named(check_hbm, "auto"), 60, 60),
+        Check(f"host store: {kind}", _named(check_host, kind), 120, 120),
+        Check("host store: triton", _named(check_host, "triton"), 120, 120),
+        Check("host store: auto, TP shard", check_host_shard, 90, 90),
+        Check("graphs: capture + replay", check_graphs, 60, 60),
+        Check("hot-row cache: SGLang-style capture", check_cache_capture, 60, 60),
+        Check("hot-row cache: replays across maintenances", check_cache_replay, 60, 60),
+        Check("disk: prefetch on a side stream", check_disk_prefetch, 120, 120),
+        Check("prefetch: dropped handles", check_dropped_handles, 90, 90),
+        Check("torch.compile", check_compile, 120, 120),
+        Check("decode step harness (graphs)", check_decode_step, 170, 100, 150, wants_timeout=True),
+        Check("bandwidth", check_bandwidth, 90, 60),
+    ]
