@@ -18,6 +18,8 @@ import math
 import os
 import sys
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -27,11 +29,15 @@ import torch
 
 from .config import EngramConfig
 from .errors import EngramError
+from .fileio import open_regular
 from .hashing import EngramLayout, NgramHasher
 
 DECODE_BATCH = 256  # concurrent requests of a decode step, one token each
 SHARES = (0.001, 0.01, 0.05)  # hottest shares of rows reported
 FORMAT = "engram-profile-v1"
+MAX_STREAMS = 1 << 16
+MAX_TOKENS = 1 << 40
+MAX_PROFILE_ROWS = 1 << 32  # entries of one layer's arrays in a profile file
 
 
 # ------------------------------------------------------------------------ inputs
@@ -65,7 +71,10 @@ def read_texts(files: Iterable[Path], skipped: Optional[list] = None) -> Iterabl
     """UTF-8 text of each file; binary files (a NUL byte, or not UTF-8) are skipped (and
     appended to `skipped`)."""
     for f in files:
-        data = f.read_bytes()
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise EngramError(f"{f}: cannot read the corpus file ({e.strerror})") from None
         try:
             if b"\0" in data:
                 raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
@@ -207,10 +216,16 @@ def write_profile(path: str | os.PathLike, cfg: EngramConfig, layers: list[Layer
         arrays[f"rows_{lc.layer_id}"] = np.int64(lc.rows)
     meta = {"format": FORMAT, "fingerprint": cfg.fingerprint(), "hash_fields": cfg.hash_fields(), **meta}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise EngramError(f"{path}: cannot write the profile ({e.strerror or e})") from None
     return path
 
 
@@ -225,22 +240,59 @@ class Profile:
         return sorted(int(k[4:]) for k in self._data.files if k.startswith("ids_"))
 
     def layer(self, layer_id: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(row ids >= 0, their counts, total reads) of one layer, each array's shape and type
+        checked before it is read (a broken or hostile file is one line, never a huge read)."""
         if f"ids_{layer_id}" not in self._data.files:
             raise EngramError(f"{self.path}: no rows of Engram layer {layer_id} (profiled layers: {self.layer_ids})")
-        return (self._data[f"ids_{layer_id}"].astype(np.int64), self._data[f"counts_{layer_id}"].astype(np.int64),
-                int(self._data[f"reads_{layer_id}"]))
+        where = f"{self.path}: layer {layer_id}"
+        try:
+            n = None
+            for key in (f"ids_{layer_id}", f"counts_{layer_id}"):
+                shape, dtype = self._header(key)
+                if len(shape) != 1 or dtype.kind not in "iu" or shape[0] > MAX_PROFILE_ROWS or n not in (None, shape[0]):
+                    raise EngramError(f"{where}: {key} must be integers [n] (n the same for ids and counts, at most "
+                                      f"2^32), found {dtype} {list(shape)}")
+                n = shape[0]
+            shape, dtype = self._header(f"reads_{layer_id}")
+            if shape != () or dtype.kind not in "iu":
+                raise EngramError(f"{where}: reads_{layer_id} must be one integer, found {dtype} {list(shape)}")
+            ids = self._data[f"ids_{layer_id}"].astype(np.int64)
+            counts = self._data[f"counts_{layer_id}"].astype(np.int64)
+            reads = int(self._data[f"reads_{layer_id}"])
+        except KeyError as e:
+            raise EngramError(f"{where}: missing array {e}") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise EngramError(f"{where}: unreadable ({type(e).__name__}: {str(e)[:100]})") from None
+        if n and int(ids.min()) < 0:
+            raise EngramError(f"{where}: row id {int(ids.min())} is negative")
+        return ids, counts, reads
+
+    def _header(self, key: str):
+        """(shape, dtype) of one array of the file, from its .npy header alone."""
+        with self._data.zip.open(f"{key}.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+        return shape, dtype
 
 
 def read_profile(path: str | os.PathLike, fingerprint: Optional[str] = None) -> Profile:
     """Open a profile file; with `fingerprint`, refuse one made for another Engram config."""
     path = Path(path)
     try:
+        os.close(open_regular(path, EngramError, "profile file"))  # a FIFO would block np.load
         data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("a single array, not an .npz archive")
+        if data.zip.getinfo("meta.npy").file_size > 1 << 24:
+            raise ValueError("its meta entry is over 16 MiB")
         meta = json.loads(bytes(data["meta"]).decode())
     except FileNotFoundError:
         raise EngramError(f"{path}: no such profile file") from None
-    except (OSError, ValueError, KeyError) as e:
-        raise EngramError(f"{path}: not an engram profile ({e})") from None
+    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error, RecursionError) as e:
+        raise EngramError(f"{path}: not an engram profile ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(meta, dict):
+        raise EngramError(f"{path}: not an engram profile (its meta is {type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT:
         raise EngramError(f"{path}: not an engram profile (format {meta.get('format')!r}, want {FORMAT})")
     if fingerprint is not None and meta.get("fingerprint") != fingerprint:
@@ -278,11 +330,39 @@ def report(layers: list[LayerCounts], steps: int, streams: int) -> tuple[str, di
 
 
 # ------------------------------------------------------------------------ command
+def check_inputs(streams, max_tokens, keep_share) -> None:
+    """One line for any out-of-range option (the counts would be meaningless or never end)."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not whole(streams) or not 1 <= streams <= MAX_STREAMS:
+        raise EngramError(f"--streams must be a whole number from 1 to {MAX_STREAMS}, got {streams!r}")
+    if max_tokens is not None and (not whole(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS):
+        raise EngramError(f"--max-tokens must be a whole number from 1 to {MAX_TOKENS} (2^40), got {max_tokens!r}")
+    if (isinstance(keep_share, bool) or not isinstance(keep_share, (int, float)) or not math.isfinite(keep_share)
+            or not 0 < keep_share <= 1):
+        raise EngramError(f"--keep-share must be a number in (0, 1], got {keep_share!r}")
+
+
+def check_memory(cfg: EngramConfig, layout: EngramLayout, memory_bytes: Optional[int] = None) -> None:
+    """The counts take 4 B per table row, all layers at once: refuse a config whose tables
+    this machine could not count (a huge vocab once tried to allocate petabytes)."""
+    rows = sum(layout.num_embeddings)
+    memory = memory_bytes if memory_bytes is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if 4 * rows > memory:
+        raise EngramError(
+            f"{cfg.source}: profiling counts 4 B per table row: {rows:,} rows need {4 * rows / 2**30:,.1f} GiB, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB of memory"
+        )
+
+
 def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_BATCH, max_tokens: Optional[int] = None,
                 keep_share: float = 0.05, file=None) -> dict:
     t0 = time.perf_counter()
     file = file or sys.stdout
+    check_inputs(streams, max_tokens, keep_share)
     cfg = EngramConfig.from_pretrained(model_dir)
+    check_memory(cfg, EngramLayout(cfg))
     tokenizer = load_tokenizer(model_dir)
     hasher = NgramHasher.from_tokenizer(cfg, tokenizer)
     files = corpus_files(corpus)

@@ -150,7 +150,108 @@ def test_bad_inputs_say_what_is_wrong(model_dir, tmp_path):
     with pytest.raises(EngramError, match="no such file"):
         run(model_dir, [tmp_path / "nope.txt"], tmp_path / "x.npz", 8)
     with pytest.raises(EngramError, match="fewer than one per stream"):
-        run(model_dir, CORPUS[:1], tmp_path / "x.npz", 10**7)
+        profiling.run_profile(model_dir, [str(CORPUS[0])], tmp_path / "x.npz", streams=1000, max_tokens=999,
+                              file=io.StringIO())
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(EngramError, match="not an engram profile"):
         profiling.read_profile(tmp_path / "junk.npz")
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    (dict(streams=0), "--streams must be a whole number from 1 to 65536, got 0"),
+    (dict(streams=-3), "--streams must be a whole number from 1 to 65536, got -3"),
+    (dict(streams=10**7), "--streams must be a whole number from 1 to 65536, got 10000000"),
+    (dict(max_tokens=-5), r"--max-tokens must be a whole number from 1 to 1099511627776 \(2\^40\), got -5"),
+    (dict(keep_share=float("nan")), r"--keep-share must be a number in \(0, 1\], got nan"),
+    (dict(keep_share=float("inf")), "--keep-share must be a number in .*, got inf"),
+    (dict(keep_share=-0.1), "--keep-share must be a number in .*, got -0.1"),
+    (dict(keep_share=2.0), "--keep-share must be a number in .*, got 2.0"),
+])
+def test_out_of_range_options_are_one_line(model_dir, tmp_path, kwargs, want):
+    with pytest.raises(EngramError, match=want):
+        profiling.run_profile(model_dir, [str(CORPUS[2])], tmp_path / "x.npz", file=io.StringIO(), **kwargs)
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_tables_too_big_to_count_are_refused_up_front(model_dir, tmp_path):
+    """A huge vocab (legal for a config) gives tables of trillions of rows: refused with one
+    line before any allocation, within seconds."""
+    import time
+
+    bad = tmp_path / "huge"
+    bad.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / f).write_text((model_dir / f).read_text())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "engram_vocab_size": 2**32, "engram_n_heads": 64}))
+    t0 = time.perf_counter()
+    with pytest.raises(EngramError, match=r"config.json: profiling counts 4 B per table row: [\d,]+ rows need "
+                                          r"[\d,.]+ GiB, more than this machine's"):
+        run(bad, CORPUS[:1], tmp_path / "x.npz", 8)
+    assert time.perf_counter() - t0 < 10
+    small = EngramConfig.from_pretrained(model_dir)
+    profiling.check_memory(small, EngramLayout(small))  # the real model fits
+    with pytest.raises(EngramError, match="more than this machine's 0.0 GiB"):
+        profiling.check_memory(small, EngramLayout(small), memory_bytes=1000)
+
+
+def _npz(path, **arrays):
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def test_broken_profile_files_are_one_line(model_dir, tmp_path):
+    """Every way a profile file can be broken gives one line (read_profile or .layer())."""
+    import zipfile
+
+    good = tmp_path / "good.npz"
+    profiling.run_profile(model_dir, [str(CORPUS[2])], good, streams=8, max_tokens=3000, file=io.StringIO())
+    src = dict(np.load(good))
+    meta = json.loads(bytes(src["meta"]).decode())
+
+    def meta_of(obj):
+        return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+
+    opening = {
+        "not a zip": (tmp_path / "a.npz", lambda p: p.write_bytes(b"PK\x03\x04garbage")),
+        "truncated": (tmp_path / "b.npz", lambda p: p.write_bytes(good.read_bytes()[:200])),
+        "one array": (tmp_path / "c.npy", lambda p: np.save(p, np.arange(3))),
+        "meta a list": (tmp_path / "d.npz", lambda p: _npz(p, **{**src, "meta": meta_of([1, 2])})),
+        "meta not JSON": (tmp_path / "e.npz", lambda p: _npz(p, **{**src, "meta": np.frombuffer(b"\xff{", np.uint8)})),
+        "no meta": (tmp_path / "f.npz", lambda p: _npz(p, **{k: v for k, v in src.items() if k != "meta"})),
+        "a directory": (tmp_path / "g.npz", lambda p: p.mkdir()),
+        "a FIFO": (tmp_path / "h.npz", lambda p: os.mkfifo(p)),
+    }
+    for why, (path, make) in opening.items():
+        make(path)
+        with pytest.raises(EngramError) as e:
+            profiling.read_profile(path)
+        assert str(path) in str(e.value) and "\n" not in str(e.value), why
+    layer = {
+        "ids 2-D": {"ids_1": src["ids_1"].reshape(1, -1)},
+        "ids float": {"ids_1": src["ids_1"].astype(np.float32)},
+        "counts shorter": {"counts_1": src["counts_1"][:-1]},
+        "reads an array": {"reads_1": np.arange(3)},
+        "no counts": {"counts_1": None},
+        "negative id": {"ids_1": -1 - src["ids_1"]},
+    }
+    for why, change in layer.items():
+        arrays = {k: v for k, v in {**src, **change}.items() if v is not None}
+        path = _npz(tmp_path / f"{why.replace(' ', '_')}.npz", **arrays)
+        prof = profiling.read_profile(path)
+        with pytest.raises(EngramError) as e:
+            prof.layer(1)
+        assert str(path) in str(e.value) and "\n" not in str(e.value), why
+        assert np.array_equal(prof.layer(3)[0], src["ids_3"].astype(np.int64))  # the other layer still reads
+    # A member whose compressed data is corrupt.
+    path = tmp_path / "corrupt.npz"
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == "ids_1.npy":
+                data = data[:128] + bytes(len(data) - 128)  # header intact, data zeroed... then truncated below
+                data = data[: len(data) // 2]
+            zout.writestr(info, data, compress_type=zipfile.ZIP_STORED)
+    with pytest.raises(EngramError, match="layer 1: unreadable"):
+        profiling.read_profile(path).layer(1)
+    assert meta["format"] == profiling.FORMAT
