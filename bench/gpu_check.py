@@ -155,6 +155,8 @@ class Report:
 
     def add(self, name: str, status: str, seconds: float, detail: str, data: dict | None = None) -> None:
         data = dict(data or {})
+        if name == "device" and status == "ok":
+            self.info.update(data)  # what ran where: device, arch, torch, Triton, native library, probe
         self.bandwidth += data.pop("bandwidth", [])
         table = data.pop("table", None)
         self.checks.append({"check": name, "status": status, "seconds": seconds, "detail": detail, "data": data})
@@ -201,7 +203,7 @@ def _spawn(args, kind: str, names: list[str], scratch: Path, out_dir: Path):
         env.pop("TRITON_INTERPRET", None)
     proc = subprocess.Popen(cmd, pass_fds=(w,), env=env, start_new_session=True, stdout=sys.stderr)
     os.close(w)
-    return proc, os.fdopen(r, "r")
+    return proc, r
 
 
 def _kill(proc) -> None:
@@ -252,8 +254,8 @@ def run(args) -> int:
                 for name in pending:
                     report.add(name, "FAIL", 0.0, f"not run: the run's budget of {budget:.0f} s was spent")
                 break
-            proc, pipe = _spawn(args, kind, pending, scratch, out_dir)
-            _drive(proc, pipe, pending, limits, report, t_start, budget)
+            proc, fd = _spawn(args, kind, pending, scratch, out_dir)
+            _drive(proc, fd, pending, limits, report, t_start, budget)
     finally:
         info["seconds"] = round(time.monotonic() - t_start, 1)
         report.write(done=True)
@@ -267,18 +269,29 @@ def run(args) -> int:
     return 1 if report.failed else 0
 
 
-def _drive(proc, pipe, pending: list[str], limits: dict, report: Report, t_start: float, budget: float) -> None:
+def _lines(fd: int, buf: bytearray) -> tuple[list[str], bool]:
+    """The complete lines that can be read from `fd` now (one os.read: select said so), and
+    whether it reached the end. Unbuffered on purpose: a buffered reader can hold a second
+    event that select() then never reports."""
+    data = os.read(fd, 1 << 16)
+    buf += data
+    *lines, rest = buf.split(b"\n")
+    buf[:] = rest
+    return [line.decode() for line in lines], not data
+
+
+def _drive(proc, fd: int, pending: list[str], limits: dict, report: Report, t_start: float, budget: float) -> None:
     """Follow one worker until it ends or is killed; results go to `report`, done names leave `pending`."""
     sel = selectors.DefaultSelector()
-    sel.register(pipe, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     current, started = None, time.monotonic()
     deadline = started + WORKER_START
+    buf = bytearray()
     try:
         while True:
             end_of_budget = t_start + budget
             timeout = min(deadline, end_of_budget) - time.monotonic()
-            ready = sel.select(timeout=max(0.0, timeout)) if timeout > 0 else []
-            if not ready:  # a check (or the worker's start) ran past its limit
+            if timeout <= 0 or not sel.select(timeout=timeout):  # a check (or the worker's start) ran too long
                 _kill(proc)
                 name = current or pending[0]
                 spent = time.monotonic() - started
@@ -291,31 +304,33 @@ def _drive(proc, pipe, pending: list[str], limits: dict, report: Report, t_start
                 report.add(name, "FAIL", round(spent, 1), why)
                 pending.remove(name)
                 return
-            line = pipe.readline()
-            if not line:  # the worker exited
-                rc = proc.wait()
-                if current is not None:
-                    report.add(current, "FAIL", round(time.monotonic() - started, 1),
-                               f"the worker died during this check ({_exit_text(rc)})")
-                    pending.remove(current)
-                elif rc not in (0, 3) and pending:  # it failed outside any check: so would a new one
-                    for name in list(pending):
-                        report.add(name, "FAIL", 0.0, f"not run: the worker failed ({_exit_text(rc)}; its error is "
-                                                      f"in the log above)")
-                        pending.remove(name)
-                return
-            ev = json.loads(line)
-            if ev["event"] == "start":
-                current, started = ev["check"], time.monotonic()
-                deadline = started + limits[current]
-            elif ev["event"] == "end":
-                report.add(ev["check"], ev["status"], ev["seconds"], ev["detail"], ev.get("data"))
-                pending.remove(ev["check"])
-                current, started = None, time.monotonic()
-                deadline = started + BETWEEN_CHECKS
+            lines, ended = _lines(fd, buf)
+            for line in lines:
+                ev = json.loads(line)
+                if ev["event"] == "start":
+                    current, started = ev["check"], time.monotonic()
+                    deadline = started + limits[current]
+                elif ev["event"] == "end":
+                    report.add(ev["check"], ev["status"], ev["seconds"], ev["detail"], ev.get("data"))
+                    pending.remove(ev["check"])
+                    current, started = None, time.monotonic()
+                    deadline = started + BETWEEN_CHECKS
+            if not ended:
+                continue
+            rc = proc.wait()
+            if current is not None:
+                report.add(current, "FAIL", round(time.monotonic() - started, 1),
+                           f"the worker died during this check ({_exit_text(rc)})")
+                pending.remove(current)
+            elif rc != 3:  # 3: it stopped after a failure that poisoned its device; a fresh one goes on
+                for name in list(pending):  # it failed outside any check: so would a new one
+                    report.add(name, "FAIL", 0.0, f"not run: the worker ended ({_exit_text(rc)}; its error, if "
+                                                  f"any, is in the log above)")
+                    pending.remove(name)
+            return
     finally:
         sel.close()
-        pipe.close()
+        os.close(fd)
         if proc.poll() is None:
             _kill(proc)
 

@@ -737,7 +737,12 @@ def time_graph(ctx: Ctx, fn, iters: int) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - t0) / iters
-    Replayer(ctx, fn, warmup=1)  # compiled and warm
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiled and warm, outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(iters):
