@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -88,3 +90,94 @@ def test_demo_runs(tmp_path, capsys):
         except OSError:
             continue
         assert model not in cmdline, cmdline
+
+
+# ------------------------------------------------------------ hostile inputs: exit 2, one line
+def _hostile_cases(tmp_path, gen):
+    """(name, argv) of bad inputs to every command; each must exit 2 with one line."""
+    ckpt, _ = checkpoint(tmp_path, gen)
+    good = tmp_path / "tables"
+    assert main(["tables", "convert", str(ckpt), str(good)]) == 0
+    cases = []
+
+    def table_dir(name, edit):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        edit(d)
+        cases.append((f"verify {name}", ["tables", "verify", str(d)]))
+        cases.append((f"inspect {name}", ["tables", "inspect", str(d)]))
+
+    def manifest(change):
+        def edit(d):
+            m = json.loads((d / MANIFEST).read_text())
+            (d / MANIFEST).write_text(json.dumps(change(m)))
+        return edit
+
+    table_dir("manifest-list", lambda d: (d / MANIFEST).write_text("[]"))
+    table_dir("manifest-binary", lambda d: (d / MANIFEST).write_bytes(b"\xff\xfe\x00"))
+    table_dir("layers-empty", manifest(lambda m: {**m, "layers": []}))
+    table_dir("layers-str", manifest(lambda m: {**m, "layers": "x"}))
+    table_dir("rows-str", manifest(lambda m: {**m, "layers": [{**m["layers"][0], "rows": "890"}]}))
+    table_dir("file-escape", manifest(lambda m: {**m, "layers": [{**m["layers"][0], "file": "../tables/layer-2.rows"}]}))
+    table_dir("config-edited", manifest(lambda m: {**m, "config": {**m["config"], "engram_n_heads": 3}}))
+    table_dir("header-garbage", lambda d: (d / layer_file_name(2)).write_bytes(
+        b"ENGRAMRW\x01\x00\x00\x00\x05\x00\x00\x00[1,2]".ljust(4096, b"\0") + (d / layer_file_name(2)).read_bytes()[4096:]))
+    table_dir("layer-fifo", lambda d: ((d / layer_file_name(2)).unlink(), os.mkfifo(d / layer_file_name(2))))
+    cases.append(("verify missing dir", ["tables", "verify", str(tmp_path / "nowhere")]))
+    cases.append(("verify bad --config", ["tables", "verify", str(good), "--config", str(tmp_path / "none.json")]))
+
+    def bad_ckpt(name, edit):
+        d = tmp_path / name
+        shutil.copytree(ckpt, d)
+        edit(d)
+        cases.append((f"convert {name}", ["tables", "convert", str(d), str(good)]))
+
+    bad_ckpt("index-list", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'))
+    bad_ckpt("index-escape", lambda d: (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.layers.2.engram.embed.weight": "../x.safetensors"}})))
+    bad_ckpt("index-binary", lambda d: (d / "model.safetensors.index.json").write_bytes(b"\xff\xff"))
+    bad_ckpt("shard-garbage", lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 100))
+    bad_ckpt("shard-empty", lambda d: (d / "model.safetensors").write_bytes(b""))
+    bad_ckpt("shard-dir", lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir(),
+                                     (d / "x.safetensors").write_bytes(b"\0" * 8)))
+    bad_ckpt("config-missing", lambda d: (d / "config.json").unlink())
+    bad_ckpt("config-huge-heads", lambda d: (d / "config.json").write_text(
+        json.dumps({**CFG.hash_fields(), "engram_n_heads": 10**9})))
+    (tmp_path / "a-file").write_text("x")
+    cases.append(("convert onto a file", ["tables", "convert", str(ckpt), str(tmp_path / "a-file")]))
+    cases.append(("convert onto a non-table dir", ["tables", "convert", str(ckpt), str(tmp_path)]))
+    cases.append(("convert missing ckpt", ["tables", "convert", str(tmp_path / "no-ckpt"), str(good)]))
+    for flag, value in (("--hot-cache-gib", "inf"), ("--weights-gib", "nan"), ("--reserve-gib", "-1"),
+                        ("--kv-bytes-per-token", "1e-300"), ("--tp", "1000000000")):
+        cases.append((f"plan {flag} {value}", ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "H100", flag, value]))
+    cases.append(("profile no model", ["profile", "--model", str(tmp_path / "nope"), str(tmp_path), "--out", "x.npz"]))
+    cases.append(("profile keep-share nan", ["profile", "--model", str(ckpt), str(tmp_path), "--out", "x.npz",
+                                             "--keep-share", "nan"]))
+    return good, cases
+
+
+def test_hostile_inputs_exit_2_with_one_line(tmp_path, rng, capsys):
+    import signal
+
+    good, cases = _hostile_cases(tmp_path, rng)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    capsys.readouterr()
+
+    class Hung(Exception):  # not TimeoutError: that is an OSError, which the code may catch
+        pass
+
+    def fire(*_):
+        raise Hung()
+
+    signal.signal(signal.SIGALRM, fire)
+    try:
+        for name, argv in cases:
+            signal.alarm(20)
+            assert main(argv) == 2, name
+            signal.alarm(0)
+            err = capsys.readouterr().err
+            assert err.startswith("engram-sglang") and err.count("\n") == 1 and "Traceback" not in err, (name, err)
+    finally:
+        signal.alarm(0)
+    # Not one failed convert touched the good directory.
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before

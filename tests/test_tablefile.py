@@ -332,8 +332,11 @@ def _alarm(seconds):
     """Turn a hang into a failure: SIGALRM interrupts a blocking open/read of the main thread."""
     import signal
 
+    class Hung(Exception):  # not TimeoutError: that is an OSError, which the code may catch
+        pass
+
     def fire(*_):
-        raise TimeoutError(f"hung for {seconds} s")
+        raise Hung(f"hung for {seconds} s")
 
     signal.signal(signal.SIGALRM, fire)
     signal.alarm(seconds)
