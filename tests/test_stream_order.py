@@ -223,3 +223,40 @@ def test_runtime_waits_or_releases_every_handle(tables, rng, placement):
         assert fake.hazards == []
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_runtime_begin_rows_end_pass_the_capture_fixture(tables, rng, prefetch):
+    """Runtime begin/rows/end as a captured decode step runs them (host placement, the GPU's
+    side-stream prefetch through the recording fake): no host sync, no Python state of the
+    runtime or its stores changes; eager steps before and after stay exact."""
+    from capture import capture
+    from engram_sglang.stores import maintenance
+
+    root, rows = tables
+    hasher = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))
+    runtime = EngramRuntime(CFG, hasher, ServeSettings(placement="host", prefetch=prefetch), root,
+                            torch.device("cpu"))
+    fake = with_fake(runtime.stores) if prefetch else None
+    try:
+        tokens = torch.randint(0, CFG.vocab_size, (8,), generator=rng)
+        hash_ids = hasher.hash_sequence(tokens.tolist())
+        args = (hash_ids, torch.arange(8), torch.arange(8), tokens, "decode")
+        for _ in range(2):  # eager warm-up
+            step = runtime.begin(*args)
+            got = {L: runtime.rows(step, L) for L in CFG.layer_ids}
+            runtime.end(step, 0.0, 0.0, 2)
+            maintenance.between_steps()
+        with capture(runtime, *runtime.stores.values()) as cap:
+            step = runtime.begin(*(cap.fake(a) for a in args[:4]), "decode")
+            for L in CFG.layer_ids:
+                assert runtime.rows(step, L).shape == (8, hash_ids.shape[2], 256)
+            runtime.end(step, 0.0, 0.0, 2)
+        maintenance.between_steps()
+        for i, L in enumerate(CFG.layer_ids):
+            assert torch.equal(bf16_bits(got[L]), expected(rows[L], hash_ids[:, i]))
+        assert runtime.stats()["forward_steps"] == 3 and runtime.stats()["steps"] == 2
+        if fake is not None:
+            assert fake.ops("wait_event")  # the captured step joined its side streams
+    finally:
+        runtime.close()

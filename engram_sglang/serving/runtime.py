@@ -96,6 +96,7 @@ class EngramRuntime:
         self._stats_written = 0.0
         self._open_step: Optional[EngramStep] = None
         self._failed: dict[int, str] = {}  # request slot -> why its rows could not be read
+        self._forward_steps = 0  # between_steps calls: every step, replayed or eager
         self._faults = 0
         if settings.debug:
             logger.warning("engram-sglang DEBUG controls on (%s): outputs are deliberately wrong",
@@ -106,8 +107,11 @@ class EngramRuntime:
     # ------------------------------------------------------------------ per step
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
               input_ids: torch.Tensor, mode: str) -> EngramStep:
-        """Issue every layer's gather for this step's hash ids [T, L, C]."""
-        self._release(self._open_step)  # a step that never reached end() (its forward raised)
+        """Issue every layer's gather for this step's hash ids [T, L, C]. Inside a CUDA-graph
+        capture no Python state of the runtime changes (a replay would not change it)."""
+        capturing = maintenance.capturing()
+        if not capturing:
+            self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
         if self.settings.prefetch and hash_ids.shape[0]:
             # No host sync here: a store that reads on the host (disk) copies its column of
@@ -115,7 +119,8 @@ class EngramRuntime:
             for L, i in self.layer_index.items():
                 handles[L] = self.stores[L].prefetch(hash_ids[:, i])
         step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
-        self._open_step = step
+        if not capturing:
+            self._open_step = step
         return step
 
     @staticmethod
@@ -158,8 +163,12 @@ class EngramRuntime:
         return rows
 
     def end(self, step: EngramStep, engram_seconds: float, layer_seconds: float, layer_calls: int) -> None:
-        """Account the step; write the trace line. (The stats file is written between steps.)"""
+        """Account the step; write the trace line. (The stats file is written between steps.)
+        Inside a capture only the handles are ordered: what a replay skips (this Python) must
+        not count, so steps are also counted between steps (`forward_steps`, replays too)."""
         self._release(step)
+        if maintenance.capturing():
+            return
         if self._open_step is step:
             self._open_step = None
         now = time.perf_counter()
@@ -178,6 +187,7 @@ class EngramRuntime:
         """Once per forward step, outside any graph (stores/maintenance.py): the stats file,
         at most every 0.2 s (the statistics read device counters: a host sync, which inside
         the forward would break a graph capture and count captures instead of replays)."""
+        self._forward_steps += 1
         now = time.perf_counter()
         if self._stats_path is not None and now - self._stats_written > 0.2:
             self._stats_written = now
@@ -236,7 +246,8 @@ class EngramRuntime:
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
                 "prefetch": self.settings.prefetch,
-                "steps": self._steps,
+                "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)
+                "forward_steps": self._forward_steps,  # every step, CUDA-graph replays included
                 "tokens": self._tokens,
                 "forward_seconds_per_step": self._forward_seconds / steps,
                 "engram_seconds_per_step": self._engram_seconds / steps,
