@@ -316,10 +316,12 @@ def read_manifest(table_dir: str | os.PathLike) -> tuple[dict, dict[int, LayerIn
     if not root.is_dir():
         raise TableFormatError(f"{root}: table directory does not exist")
     try:
-        manifest = json.loads(read_regular(mpath, MAX_MANIFEST_BYTES, TableFormatError, "manifest"))
+        text = read_regular(mpath, MAX_MANIFEST_BYTES, TableFormatError, "manifest")
     except FileNotFoundError:
         raise TableFormatError(f"{mpath}: missing (not a table directory, or its writing did not finish)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    try:  # (apart from the read: TableFormatError is a ValueError too)
+        manifest = json.loads(text)
+    except (ValueError, RecursionError) as e:  # ValueError: also not UTF-8, or an int of > 4300 digits
         raise TableFormatError(f"{mpath}: not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise TableFormatError(f"{mpath}: not an engram-sglang table manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
@@ -367,6 +369,13 @@ def _short(v) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+def _plain_name(name) -> bool:
+    """A file name inside the directory itself: no separator, not `.`/`..`, and printable (a
+    NUL or a lone surrogate cannot be handed to the OS, a newline would split the one-line
+    error naming the file, and no name we write has either)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and name.isprintable()
+
+
 def _manifest_config(manifest: dict, mpath: Path) -> EngramConfig:
     """The manifest's config block, which must hash to the fingerprint stated beside it."""
     fp, block = manifest.get("config_fingerprint"), manifest.get("config")
@@ -377,7 +386,7 @@ def _manifest_config(manifest: dict, mpath: Path) -> EngramConfig:
     cfg = EngramConfig.from_dict(block, source=f"{mpath} (config block)")
     if cfg.fingerprint() != fp:
         raise TableFormatError(
-            f"{mpath}: the config block's fingerprint is {cfg.fingerprint()}, config_fingerprint says {fp} "
+            f"{mpath}: the config block's fingerprint is {cfg.fingerprint()}, config_fingerprint says {_short(fp)} "
             f"(the manifest was edited or is corrupt); convert the tables again"
         )
     return cfg
@@ -393,7 +402,7 @@ def _layer_entry(e, i: int, root: Path, mpath: Path, chunk_rows: int) -> LayerIn
     if not _is_count(rows):
         raise TableFormatError(f"{where}: rows must be an integer >= 1, found {_short(rows)}")
     # A plain name: the manifest may only point at files of its own directory.
-    if (not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", "..")):
+    if not _plain_name(name):
         raise TableFormatError(f"{where}: file must be a plain file name inside {root}, found {_short(name)}")
     path = root / name
     if os.path.lexists(path) and not inside(root, path):
@@ -594,8 +603,12 @@ def _index_checkpoint(ckpt: Path, safe_open) -> dict[str, Path]:
     index = ckpt / _INDEX
     if os.path.lexists(index):
         try:
-            raw = json.loads(read_regular(index, MAX_MANIFEST_BYTES, TableFormatError, "checkpoint index"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            text = read_regular(index, MAX_MANIFEST_BYTES, TableFormatError, "checkpoint index")
+        except FileNotFoundError:  # lexists: a symlink to nowhere
+            raise TableFormatError(f"{index}: a symlink to a missing file ({os.path.realpath(index)})") from None
+        try:  # (apart from the read: TableFormatError is a ValueError too)
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, not UTF-8, or an int of > 4300 digits
             raise TableFormatError(f"{index}: unreadable index ({type(e).__name__})") from None
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
@@ -603,7 +616,7 @@ def _index_checkpoint(ckpt: Path, safe_open) -> dict[str, Path]:
         out = {}
         for name, shard in weight_map.items():
             # Shards sit beside the index: a plain file name, never a path out of the checkpoint.
-            if not isinstance(shard, str) or not shard or "/" in shard or shard in (".", ".."):
+            if not _plain_name(shard):
                 raise TableFormatError(f"{index}: tensor {_short(name)} maps to {_short(shard)}, not a shard file name")
             out[name] = ckpt / shard
         return out

@@ -260,7 +260,7 @@ def _set_layer(key, value, index=0):
     (lambda m: m["layers"].pop(), r"lists layers \[1\], its config block has \[1, 3\]"),
     (lambda m: m["layers"].append(m["layers"][0]), "layer 1 is listed twice"),
     (lambda m: m["config"].update(engram_n_heads=5), "the config block's fingerprint is .* config_fingerprint says"),
-    (lambda m: m.update(config_fingerprint="0123456789abcdef"), "config_fingerprint says 0123456789abcdef"),
+    (lambda m: m.update(config_fingerprint="0123456789abcdef"), "config_fingerprint says '?0123456789abcdef"),
     (lambda m: m.update(config_fingerprint=7), "config_fingerprint must be a string, found 7"),
     (lambda m: m.update(config=[1]), "config must be an object of engram_\\* fields, found \\[1\\]"),
     (lambda m: m["config"].pop("engram_n_heads"), r"\(config block\): missing Engram field\(s\) engram_n_heads"),
@@ -509,3 +509,26 @@ def test_concurrent_converts_never_mix_contents(tmp_path, rng):
     got = open_tables(out, CFG)
     assert sum(all(np.array_equal(got[L], t[L]) for L in CFG.layer_ids) for t in sources) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt0", "ckpt1", "ckpt2", "tables"]
+
+
+def test_checkpoint_index_or_shard_that_is_not_a_file(tmp_path, rng):
+    import os
+    import signal
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", random_tables(rng))
+    index = ckpt / "model.safetensors.index.json"
+    _alarm(20)
+    try:
+        index.unlink()
+        os.mkfifo(index)
+        with pytest.raises(TableFormatError, match="index.json: the checkpoint index is a FIFO, not a regular file"):
+            convert_checkpoint(ckpt, tmp_path / "t", progress=False)
+        index.unlink()
+        shard = ckpt / "model-00002-of-00002.safetensors"
+        shard.unlink()
+        os.mkfifo(shard)
+        with pytest.raises(TableFormatError, match="00002.safetensors: the checkpoint shard is a FIFO"):
+            convert_checkpoint(ckpt, tmp_path / "t", progress=False)
+    finally:
+        signal.alarm(0)
+    assert not (tmp_path / "t").exists()
