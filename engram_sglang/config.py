@@ -193,13 +193,17 @@ class EngramConfig:
     def from_file(cls, path: str | os.PathLike) -> "EngramConfig":
         path = Path(path)
         try:
-            data = json.loads(read_regular(path, MAX_CONFIG_BYTES, EngramConfigError, "config file"))
+            text = read_regular(path, MAX_CONFIG_BYTES, EngramConfigError, "config file")
         except FileNotFoundError:
             raise EngramConfigError(f"{path}: no such config file") from None
+        try:  # (apart from the read: EngramConfigError is a ValueError too)
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise EngramConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         except (UnicodeDecodeError, RecursionError) as e:
             raise EngramConfigError(f"{path}: not a JSON text ({type(e).__name__})") from None
+        except ValueError as e:  # json reads an integer of more than 4300 digits into this
+            raise EngramConfigError(f"{path}: not a JSON text ({str(e).split(';')[0]})") from None
         if not isinstance(data, Mapping):
             raise EngramConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
         return cls.from_dict(data, source=str(path))
