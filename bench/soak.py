@@ -18,11 +18,11 @@ failed with an error finish reason while the server kept serving ("contained"), 
 tokens, p50/p99 latency, and RSS / fds / shm growth between the steady part's start and
 the end of the run.
 
-Faults by default are ones the disk store's retries absorb (a burst of `--eio-burst` failed
-reads every `--eio-gap-ms`, fewer than its tries): served tokens must stay exact and no
-request may fail. `--hard-faults` injects outages of `--hard-burst-ms` that outlast every
-retry: a read then fails for real, and the report counts the requests that failed and
-whether the server survived them.
+Faults by default are ones the disk store's retries absorb (an outage of `--eio-burst-ms`
+every `--eio-gap-ms`, shorter than its back-off between tries): served tokens must stay
+exact and no request may fail. `--hard-faults` injects outages of `--hard-burst-ms` that
+outlast every try: reads then fail for real, and the report counts the requests that failed
+with an error finish reason and whether the server kept serving ("contained").
 
 Prints a table, writes OUT/NAME.json and OUT/NAME.png (RSS, fds, shm and latency over time).
 
@@ -258,11 +258,11 @@ def fault_env(args, stats_dir: Path, arm: Path) -> dict:
            "ENGRAM_FAULTS_MATCH": ".rows", "ENGRAM_FAULTS_SEED": str(args.seed),
            "ENGRAM_FAULTS_STALL_PROB": str(args.stall_prob), "ENGRAM_FAULTS_STALL_MS": str(args.stall_ms),
            "ENGRAM_FAULTS_EIO_EVERY": "1"}
-    if args.hard_faults:
-        # An outage longer than every retry's back-off: calls that read during it fail.
-        env.update(ENGRAM_FAULTS_EIO_BURST_MS=str(args.hard_burst_ms), ENGRAM_FAULTS_EIO_GAP_MS=str(args.hard_gap_ms))
-    else:
-        env.update(ENGRAM_FAULTS_EIO_BURST=str(args.eio_burst), ENGRAM_FAULTS_EIO_GAP_MS=str(args.eio_gap_ms))
+    # Outages: every table read fails for BURST_MS, one per GAP_MS while reads flow. A short
+    # one fails a call's AIO read and first pread, and its later tries (after 10 + 20 ms of
+    # back-off) get through; a long one outlasts every try, so the calls in it fail.
+    burst, gap = (args.hard_burst_ms, args.hard_gap_ms) if args.hard_faults else (args.eio_burst_ms, args.eio_gap_ms)
+    env.update(ENGRAM_FAULTS_EIO_BURST_MS=str(burst), ENGRAM_FAULTS_EIO_GAP_MS=str(gap))
     return env
 
 
@@ -277,8 +277,10 @@ def placement_flags(name: str, args) -> dict:
 
 def log_counts(log: Path) -> dict:
     text = log.read_text(errors="replace") if log.exists() else ""
+    # The store logs each failed try, and each call whose rows still fail after them (with
+    # the requests it fails).
     return {"read_retries": len(re.findall(r"failed \(.*\), try \d+ of \d+", text)),
-            "reads_failed_after_retries": len(re.findall(r"TableIOError", text)),
+            "reads_failed_after_retries": len(re.findall(r"engram layer \d+: .* failed after \d+ tries", text)),
             "tracebacks": text.count("Traceback (most recent call last)")}
 
 
@@ -429,13 +431,18 @@ def summarize(run: dict, args) -> dict:
     growth = {key: median(window(0.85, 1.0, key)) - median(window(0.3, 0.45, key))
               for key in ("rss_mib", "fds", "shm_mib")} if samples else {}
     f = run["faults"]
+    failed = [r for r in reqs if r["outcome"] == "failed"]
+    # A contained failure says which table and why (the file and the errno's text).
+    named = [r for r in failed if ".rows" in r["message"] and re.search(r"error|errno|short read", r["message"], re.I)]
     return {
         "placement": run["placement"], "minutes": duration / 60, "requests": len(reqs), **by,
         "tokens": tokens, "wrong_outside_failed": wrong_ok, "wrong_in_failed": len(wrong) - wrong_ok,
         "eio_injected": f.get("eio_injected", 0), "eio_bursts": f.get("eio_bursts", 0), "stalls": f.get("stalls", 0),
         "table_reads": f.get("matched_reads", 0), **run["log"],
         "server_alive": run["after"]["alive"], "served_after": run["after"]["served_after"],
-        "contained": bool(run["after"]["served_after"] and wrong_ok == 0 and run["died_at_s"] is None),
+        "failed_named": len(named), "failure_examples": sorted({r["message"][:200] for r in failed})[:3],
+        "contained": bool(run["after"]["served_after"] and wrong_ok == 0 and run["died_at_s"] is None
+                          and len(named) == len(failed)),
         "p50_s": run["latency_s"]["p50"], "p99_s": run["latency_s"]["p99"], "ttft_p50_s": run["ttft_s"]["p50"],
         "rss_mib_end": samples[-1]["rss_mib"] if samples else None, "fds_end": samples[-1]["fds"] if samples else None,
         "shm_mib_end": samples[-1]["shm_mib"] if samples else None,
@@ -454,19 +461,18 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
-    for run in runs:
+    eio = axes[3].twinx()
+    eio.set_ylabel("EIO injected, cumulative (dashed)")
+    for color, run in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], runs):
         t = [s["t"] for s in run["samples"]]
         name = run["placement"]
-        axes[0].plot(t, [s["rss_mib"] for s in run["samples"]], label=name)
-        axes[1].plot(t, [s["fds"] for s in run["samples"]], label=name)
-        axes[2].plot(t, [s["shm_mib"] for s in run["samples"]], label=name)
+        axes[0].plot(t, [s["rss_mib"] for s in run["samples"]], color=color, label=name)
+        axes[1].plot(t, [s["fds"] for s in run["samples"]], color=color, label=name)
+        axes[2].plot(t, [s["shm_mib"] for s in run["samples"]], color=color, label=name)
         done = [r for r in run["requests"] if r["outcome"] == "completed" and r["client"] >= 0]
         axes[3].scatter([r["t_end"] - run["t0"] for r in done], [r["t_end"] - r["t_start"] for r in done], s=3,
-                        label=name)
-        if run["samples"]:
-            ax = axes[3].twinx()
-            ax.plot(t, [s["faults"].get("eio_injected", 0) for s in run["samples"]], "r--", lw=0.8)
-            ax.set_ylabel("EIO injected (dashed)")
+                        color=color, label=name)
+        eio.plot(t, [s["faults"].get("eio_injected", 0) for s in run["samples"]], "--", color=color, lw=0.8)
     for ax, label in zip(axes, ("RSS, all server processes (MiB)", "open fds", "/dev/shm held (MiB)",
                                 "request latency (s)")):
         ax.set_ylabel(label)
@@ -499,8 +505,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=8, help="pool items sent once before the faults are armed")
     p.add_argument("--chunk", type=int, default=64, help="--chunked-prefill-size")
     p.add_argument("--dram-cache-mib", type=int, default=1, help="disk: the DRAM row cache (small: reads keep going to the file)")
-    p.add_argument("--eio-burst", type=int, default=RETRIES, help="failed reads per burst (<= the store's retries: absorbed)")
-    p.add_argument("--eio-gap-ms", type=int, default=500, help="one burst per this many ms of reads")
+    p.add_argument("--eio-burst-ms", type=int, default=15, help="outage length (shorter than the store's back-off: absorbed)")
+    p.add_argument("--eio-gap-ms", type=int, default=500, help="one outage per this many ms of reads")
     p.add_argument("--stall-prob", type=float, default=0.01, help="probability a table read call stalls")
     p.add_argument("--stall-ms", type=int, default=50)
     p.add_argument("--hard-faults", action="store_true",
@@ -547,7 +553,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), "args": vars(args), "summary": summaries, "check_s": check_s,
                "runs": [{k: v for k, v in r.items() if k != "requests"} |
-                        {"requests": [{k: v for k, v in q.items() if k != "output_ids"} for q in r["requests"]]}
+                        {"requests": [{k: v for k, v in q.items() if k != "output_ids"} | {"tokens": len(q["output_ids"])}
+                                      for q in r["requests"]]}
                         for r in runs]}
     (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
     plot(runs, out / f"{args.name}.png")

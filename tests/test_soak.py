@@ -106,11 +106,13 @@ def run_store(tables, tmp_path, faults: dict, *, tp_rank=0, tp_size=1, calls=120
 
 
 def test_bursts_within_the_retries_and_stalls_leave_every_row_exact(tables, tmp_path):
-    """EIO bursts of 2 failed reads (the store tries AIO once, then pread 3 times) every
-    100 ms and 5 ms stalls, on rank 1 of 2 (a quarter of the calls have no ids in its rows):
-    every call returns the table's bits, faults reached both AIO completions and preads,
-    and nothing was injected before arming or into another file."""
-    out, counts = run_store(tables, tmp_path, {"ENGRAM_FAULTS_EIO_EVERY": "1", "ENGRAM_FAULTS_EIO_BURST": "2",
+    """15 ms outages (every table read fails) every 100 ms and 5 ms stalls, on rank 1 of 2 (a
+    quarter of the calls have no ids in its rows): the store's AIO read and first pread fail
+    inside an outage, its later tries (after 10 + 20 ms of back-off) get through, so every
+    call returns the table's bits (with retries=0 about one call in ten fails here); faults
+    reached both AIO completions and preads; nothing was injected before arming or into
+    another file."""
+    out, counts = run_store(tables, tmp_path, {"ENGRAM_FAULTS_EIO_EVERY": "1", "ENGRAM_FAULTS_EIO_BURST_MS": "15",
                                                "ENGRAM_FAULTS_EIO_GAP_MS": "100", "ENGRAM_FAULTS_STALL_PROB": "0.05",
                                                "ENGRAM_FAULTS_STALL_MS": "5"}, tp_rank=1, tp_size=2)
     assert out["unarmed"] == ["exact"] * 5
