@@ -137,6 +137,18 @@ def test_an_outage_longer_than_the_retries_fails_only_the_calls_that_read_in_it(
     assert outcomes[last_failed + 1:] and set(outcomes[last_failed + 1:]) == {"exact"}
 
 
+@pytest.mark.parametrize("name, value", [("ENGRAM_FAULTS_EIO_PROB", "0.5x"), ("ENGRAM_FAULTS_STALL_PROB", "1.5"),
+                                         ("ENGRAM_FAULTS_STALL_MS", "-50")])
+def test_a_bad_setting_stops_the_process_with_one_line(name, value):
+    """A setting the library cannot honour is refused, not read as 0 (a soak would then report
+    faults it never injected)."""
+    proc = subprocess.run(["/bin/true"], env=dict(os.environ, LD_PRELOAD=str(FAULTS), **{name: value}),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"engram_faults: {name}={value}: expected a number in [0, "
+                                                + ("1]" if "PROB" in name else "1e+12]")]
+
+
 # ------------------------------------------------------------------ the soak itself
 @pytest.mark.slow
 def test_token_check_finds_a_wrong_token():

@@ -66,15 +66,23 @@ static struct {
     long eio_every, eio_burst, eio_burst_ms, eio_gap_ms, stall_every, stall_ms;
 } cfg;
 
-static double env_double(const char* name, double fallback) {
+// A value that is not a number >= 0 (<= max) stops the process with one line: a soak with a
+// silently ignored setting would report faults it never injected.
+static double env_number(const char* name, double fallback, double max) {
     const char* v = getenv(name);
-    return (v && *v) ? strtod(v, NULL) : fallback;
+    if (!v || !*v) return fallback;
+    char* end = NULL;
+    const double x = strtod(v, &end);
+    if (*end != '\0' || !(x >= 0 && x <= max)) {
+        fprintf(stderr, "engram_faults: %s=%s: expected a number in [0, %g]\n", name, v, max);
+        _exit(2);
+    }
+    return x;
 }
 
-static long env_long(const char* name, long fallback) {
-    const char* v = getenv(name);
-    return (v && *v) ? strtol(v, NULL, 10) : fallback;
-}
+static double env_double(const char* name, double fallback) { return env_number(name, fallback, 1.0); }
+
+static long env_long(const char* name, long fallback) { return (long)env_number(name, (double)fallback, 1e12); }
 
 static void env_string(const char* name, const char* fallback, char* out, size_t size) {
     const char* v = getenv(name);
