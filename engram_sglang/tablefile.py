@@ -369,6 +369,14 @@ def _short(v) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+def _one_line(text: str, limit: int = 120) -> str:
+    """A library's words about a file we were handed, kept to one line: they may quote the
+    file (safetensors quotes a header's dtype, newline and all), so control characters are
+    escaped and long text is cut."""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return text.encode("unicode_escape").decode("ascii")
+
+
 def _plain_name(name) -> bool:
     """A file name inside the directory itself: no separator, not `.`/`..`, and printable (a
     NUL or a lone surrogate cannot be handed to the OS, a newline would split the one-line
@@ -591,7 +599,7 @@ class _open_shard:
         except FileNotFoundError:
             raise TableFormatError(f"{self.shard}: checkpoint shard missing") from None
         except (SafetensorError, OSError) as e:
-            raise TableFormatError(f"{self.shard}: not a readable safetensors file ({str(e)[:120]})") from None
+            raise TableFormatError(f"{self.shard}: not a readable safetensors file ({_one_line(str(e))})") from None
         return self.f
 
     def __exit__(self, *exc):
@@ -700,5 +708,5 @@ def _layer_chunks(found, expected_rows, chunk_rows, safe_open) -> Iterator[np.nd
             try:
                 chunk = pack(w[lo:hi], s[lo:hi]).numpy()
             except (SafetensorError, OSError) as e:  # a shard changed or failed under us
-                raise TableFormatError(f"{wfile} / {sfile}: reading rows {lo}..{hi - 1} of {wname} failed ({e})") from None
+                raise TableFormatError(f"{wfile} / {sfile}: reading rows {lo}..{hi - 1} of {wname} failed ({_one_line(str(e))})") from None
             yield chunk
