@@ -5,8 +5,8 @@ The rule (README: "Errors on bad input are one line naming the file"): any input
 result, or an EngramError whose message is one line naming the file at fault (the CLI turns
 exactly that into one line and exit status 2). Anything else is a finding: another
 exception (a traceback in the CLI), a message over several lines or naming no input, a
-hang (libFuzzer's -timeout), an allocation blow-up (-rss_limit_mb / -malloc_limit_mb), or a
-result that breaks an invariant the harness states.
+hang (libFuzzer's -timeout), an allocation blow-up (-rss_limit_mb), or a result that breaks
+an invariant the harness states.
 
 Each harness turns one input into files with a FuzzedDataProvider: a valid baseline, then
 edits chosen by the bytes (JSON values swapped for hostile ones, bytes overwritten or cut,
