@@ -225,8 +225,9 @@ def pick_kind(fdp: atheris.FuzzedDataProvider) -> str:
 
 class Scratch:
     """One work directory per process, emptied before every input: under $FUZZ_SCRATCH, else
-    tmpfs when there is one (converts fsync). A crash exits without clean-up, so the
-    directories of processes that are gone are removed at start."""
+    tmpfs when there is one (converts fsync). libFuzzer ends the process without Python's
+    clean-up (fuzz/runner.py removes the $FUZZ_SCRATCH it made), so a direct run removes the
+    directories of processes that are gone when it starts."""
 
     def __init__(self, name: str):
         base = Path(os.environ.get("FUZZ_SCRATCH") or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()))

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,10 +77,21 @@ def run(target: str, out_root: Path, *, runs: Optional[int] = None, seconds: Opt
     before = set(out.iterdir())
     log = out / "log.txt"
     t0 = time.monotonic()
-    with open(log, "wb") as f:
-        # stdin closed: a parser that reads a stray /dev/stdin must not wait on a terminal.
-        rc = subprocess.run(command(target, out, runs=runs, seconds=seconds, seed=seed), stdin=subprocess.DEVNULL,
-                            stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}).returncode
+    env = {**os.environ, **(env or {})}
+    # The harness's work files, removed here: libFuzzer ends the process without Python's
+    # clean-up. tmpfs when there is one (converts fsync).
+    scratch = None
+    if not env.get("FUZZ_SCRATCH"):
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        scratch = env["FUZZ_SCRATCH"] = tempfile.mkdtemp(prefix=f"engram-fuzz-{target}-", dir=shm)
+    try:
+        with open(log, "wb") as f:
+            # stdin closed: a parser that reads a stray /dev/stdin must not wait on a terminal.
+            rc = subprocess.run(command(target, out, runs=runs, seconds=seconds, seed=seed), stdin=subprocess.DEVNULL,
+                                stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     seconds_taken = time.monotonic() - t0
     findings = sorted(p for p in set(out.iterdir()) - before if re.match(r"(crash|timeout|oom|leak|slow-unit)-", p.name))
     text = log.read_text(errors="replace")
