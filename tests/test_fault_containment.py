@@ -109,6 +109,29 @@ def test_a_failed_read_names_its_rows_and_serves_the_others(tables, rng, broken,
             s.close()
 
 
+def test_a_hot_row_cache_over_the_disk_passes_a_fault_up_with_the_other_rows(tables, rng, broken):
+    from engram_sglang.stores import maintenance
+
+    root, rows = tables
+    stores = open_store(root, "disk", cfg=CFG, retries=0, cache_bytes=256 << 10)
+    L = CFG.layer_ids[0]
+    store = stores[L]
+    try:
+        ids = torch.randint(0, store.rows, (20, 6), generator=rng)
+        broken.add(int(ids[4, 2]))
+        with pytest.raises(TableReadFault) as caught:
+            store.gather(ids)
+        ok = torch.from_numpy(~np.isin(ids.numpy(), list(broken)))
+        assert torch.equal(bf16_bits(caught.value.rows)[ok], reference(rows[L], ids)[ok])
+        for _ in range(8):  # maintenance admits what was read, never the failed row
+            maintenance.between_steps()
+        broken.clear()
+        assert torch.equal(bf16_bits(store.gather(ids)), reference(rows[L], ids))
+    finally:
+        for s in stores.values():
+            s.close()
+
+
 def test_runtime_fails_only_the_requests_that_needed_the_rows(tables, rng, broken):
     root, rows = tables
     hasher = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))

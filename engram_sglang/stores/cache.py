@@ -40,7 +40,7 @@ import torch
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
 from . import maintenance
-from .base import TableStore, split_by_rows
+from .base import TableReadFault, TableStore, split_by_rows
 from .cache_metrics import CACHE_METRICS
 from .row_directory import SLOT_OVERHEAD, RowDirectory, default_sketch_width, plan_slots, ring_entries
 
@@ -152,8 +152,9 @@ class HotRowCache(TableStore):
             hit, slot = self.directory.lookup(torch.where((flat >= lo) & (flat < hi), flat, -1))
             # The dump slot lies outside (0, slots): misses decode to +0 here.
             cached = gather_dequant(self.cache_rows, slot, row_range=(0, self.directory.slots), backend=self.backend)
+            fault = None
             if self.needs_host_ids:
-                lower, unique = self._lower_from_host(flat, hit)
+                lower, unique, fault = self._lower_from_host(flat, hit)
             else:
                 # -1 lies outside every row range: hits cost the tier below no read at all.
                 # table_address: the table as the op reads it (a host store's device address).
@@ -166,11 +167,16 @@ class HotRowCache(TableStore):
                 rows = out
             if unique is not None:  # (host-id tiers only: never inside a graph)
                 CACHE_METRICS.lower_read(self, unique)
+            if fault is not None:  # every other row is exact: the caller fails only who needed these
+                fault.rows = rows
+                raise fault
             return rows, unique
 
     def _lower_from_host(self, flat: torch.Tensor, hit: torch.Tensor):
         """Misses of a host-ids tier (disk): read each distinct missed row once, keep the
-        packed rows for the next maintenance, decode them with the same op."""
+        packed rows for the next maintenance, decode them with the same op. Returns (rows,
+        distinct rows read, the TableReadFault of rows that could not be read, or None):
+        those rows are +0 and never kept for admission."""
         from ..ops import gather_dequant
 
         flat_h, hit_h = flat.cpu(), hit.cpu()
@@ -178,14 +184,20 @@ class HotRowCache(TableStore):
         need = ~hit_h & (flat_h >= lo) & (flat_h < hi)
         uniq, inverse = torch.unique(flat_h[need], return_inverse=True)  # sorted: neighbours share pages
         if uniq.numel() == 0:  # all hits (or other shards' rows)
-            return torch.zeros((flat.numel(), PAYLOAD_BYTES), dtype=torch.bfloat16, device=self.device), 0
-        packed = self._read_lower(uniq.numpy())
-        self._pending.append((uniq.numpy(), packed))
+            return torch.zeros((flat.numel(), PAYLOAD_BYTES), dtype=torch.bfloat16, device=self.device), 0, None
+        fault = None
+        try:
+            packed = self._read_lower(uniq.numpy())
+        except TableReadFault as e:
+            fault, packed = e, e.packed
+        ok = ~np.isin(uniq.numpy(), fault.failed_ids) if fault is not None else slice(None)
+        self._pending.append((uniq.numpy()[ok], packed[ok]))
         self._lower_rows += uniq.numel()
         local = torch.full_like(flat_h, uniq.numel())  # outside (0, n): +0 rows (hits, other shards)
         local[need] = inverse
         table = torch.from_numpy(packed).to(self.device)
-        return gather_dequant(table, local.to(self.device), row_range=(0, uniq.numel()), backend=self.backend), uniq.numel()
+        rows = gather_dequant(table, local.to(self.device), row_range=(0, uniq.numel()), backend=self.backend)
+        return rows, uniq.numel(), fault
 
     def _read_lower(self, wanted: np.ndarray) -> np.ndarray:
         """Packed rows [n, 264] of sorted distinct global ids, from the tier below."""
