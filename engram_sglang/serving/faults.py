@@ -34,12 +34,14 @@ def abort_failed_requests(scheduler, batch) -> int:
     failed: dict[int, str] = {}
     for runtime in runtimes:
         failed.update(runtime.take_failed_requests())
-    tp = getattr(scheduler, "tp_size", 1)
+    # The ranks that run this very batch: the attention-TP group (the whole TP group without
+    # attention data parallelism); ranks of other attention-DP groups run other batches.
+    tp = getattr(scheduler, "attn_tp_size", None) or getattr(scheduler, "tp_size", 1)
     if not failed and tp <= 1:
         return 0
     reqs = list(getattr(batch, "reqs", None) or [])
     flags = torch.tensor([1 if _slot(r) in failed else 0 for r in reqs], dtype=torch.int32)
-    group = getattr(scheduler, "tp_cpu_group", None)
+    group = getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)
     if tp > 1 and group is not None and reqs and _reads_on_host(runtimes):
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
     if not int(flags.sum()):
