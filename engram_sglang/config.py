@@ -17,6 +17,10 @@ from typing import Any, Mapping, Optional
 from .errors import EngramConfigError
 from .fileio import read_regular
 
+# Where a table can live: the one list the stores, the serving flags and the planner share
+# (here, in a module without torch, because the serving flags load without it).
+PLACEMENTS = ("device", "host", "disk")
+
 # The HF config.json keys, as DeepSeek-V4.1's `text_config` spells them.
 _KEY_PREFIX = "engram_"
 

@@ -13,11 +13,11 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
+from ..config import PLACEMENTS
 from ..errors import EngramConfigError
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
 
-PLACEMENTS = ("device", "host", "disk")
 DEBUG_KNOBS = ("corrupt-history", "skip-wait")
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
 

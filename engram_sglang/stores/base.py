@@ -16,14 +16,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import PLACEMENTS  # noqa: F401  (re-exported)
 from ..errors import EngramError
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
 from . import maintenance
 from . import streams as streams_mod
 
 logger = logging.getLogger(__name__)
-
-PLACEMENTS = ("device", "host", "disk")
 
 
 class TableIOError(EngramError, OSError):

@@ -1,0 +1,378 @@
+"""The planner's model: the capacity arithmetic of one model on one GPU SKU (table bytes, HBM
+per placement, smallest TP, host DRAM, /dev/shm, host-link time); `plan()` gives the report dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence
+
+from ..config import PLACEMENTS, EngramConfig
+from ..hashing import EngramLayout
+from ..rowformat import BLOCK
+from .data import (
+    GIB,
+    MAX_GIB,
+    MAX_KV_BYTES,
+    MAX_TOKENS,
+    MAX_TP,
+    ModelFacts,
+    PlannerError,
+    bounded,
+    gpu_sku,
+    load_facts,
+)
+
+HOST_LAYOUTS = ("shared", "per_rank")
+
+# Batches the host-link estimate is quoted for: a decode step of 256 requests and one
+# prefill chunk of 8192 tokens (DESIGN.md performance model).
+DECODE_BATCH = 256
+PREFILL_CHUNK = 8192
+CACHE_LINE = 64
+
+# SGLang's docker examples give the server itself --shm-size 32g (NCCL and torch IPC buffers);
+# a shared host table in /dev/shm comes on top of that.
+SGLANG_SHM_GIB = 32
+
+# SGLang 0.5.23 memory_hook defaults behind its reserve (activations, graphs, NCCL): the
+# chunked-prefill size and decode CUDA-graph batch it assumes on a large GPU.
+SGLANG_CHUNKED_PREFILL = 8192
+SGLANG_DECODE_GRAPH_BS = 256
+
+
+@dataclasses.dataclass
+class PlanInputs:
+    model: str
+    gpu: str
+    tp: Optional[int] = None
+    placement: str = "host"
+    host_layout: str = "shared"
+    hot_cache_gib: float = 0.0
+    kv_bytes_per_token: Optional[float] = None
+    weights_gib: Optional[float] = None
+    reserve_gib: Optional[float] = None
+    min_kv_tokens: Optional[int] = None
+    host_dram_gib: Optional[float] = None
+
+
+def row_bytes(cfg: EngramConfig) -> int:
+    """Bytes of one packed row: head_dim fp8 values + one e8m0 scale per BLOCK values."""
+    if cfg.head_dim % BLOCK:
+        raise PlannerError(f"{cfg.source}: engram_head_dim {cfg.head_dim} is not a multiple of {BLOCK}")
+    return cfg.head_dim + cfg.head_dim // BLOCK
+
+
+def lines_per_row(rb: int) -> float:
+    """Mean 64-byte lines a row touches: rows lie end to end from a page-aligned start, so a
+    row's offset within its first line cycles with period 64 / gcd(rb, 64)."""
+    period = CACHE_LINE // math.gcd(rb, CACHE_LINE)
+    spans = [((k * rb) % CACHE_LINE + rb + CACHE_LINE - 1) // CACHE_LINE for k in range(period)]
+    return sum(spans) / period
+
+
+def shard_bytes(rows: Sequence[int], tp: int, rb: int) -> int:
+    """The largest rank's table bytes under row-range sharding (rank r holds a contiguous
+    1/TP of every layer's rows, so the largest shard has ceil(rows / TP) rows)."""
+    return sum(-(-r // tp) for r in rows) * rb
+
+
+def sglang_reserve_bytes(tp: int, hbm_bytes: int) -> int:
+    """SGLang 0.5.23's default non-static reserve (srt/arg_groups/memory_hook.py): 512 MiB +
+    1.5 MiB per chunked-prefill token + TP/8 GiB + 2 MiB per decode-graph batch slot, at least
+    10 GiB on a GPU over 60 GiB."""
+    mib = 512 + 1.5 * max(SGLANG_CHUNKED_PREFILL, 2048) + tp / 8 * 1024 + 2 * SGLANG_DECODE_GRAPH_BS
+    if hbm_bytes > 60 * GIB:
+        mib = max(mib, 10 * 1024)
+    return int(mib * (1 << 20))
+
+
+def valid_tps(heads: Optional[int], limit: int = 64) -> list[int]:
+    """TP sizes the attention layers accept: divisors of the head count (any size when the
+    head count is unknown; row-range table shards work at every TP)."""
+    if heads is None:
+        return list(range(1, limit + 1))
+    return [t for t in range(1, heads + 1) if heads % t == 0]
+
+
+def _check_tp(tp: Any, facts: ModelFacts) -> int:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlannerError(f"--tp must be a whole number >= 1, got {tp!r}")
+    if tp > MAX_TP:
+        raise PlannerError(f"--tp must be at most {MAX_TP}, got {tp}")
+    heads = facts.attention_heads
+    if heads is not None and heads % tp:
+        ok = ", ".join(str(t) for t in valid_tps(heads))
+        raise PlannerError(
+            f"--tp {tp} does not divide {facts.name}'s {heads} attention heads; valid TP sizes: {ok}"
+        )
+    return tp
+
+
+class Planner:
+    """Capacity arithmetic for one model on one SKU; `plan()` gives the report dict."""
+
+    def __init__(self, inputs: PlanInputs):
+        if inputs.placement not in PLACEMENTS:
+            raise PlannerError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {inputs.placement!r}")
+        if inputs.host_layout not in HOST_LAYOUTS:
+            raise PlannerError(f"--host-layout must be one of {', '.join(HOST_LAYOUTS)}, got {inputs.host_layout!r}")
+        for name in ("hot_cache_gib", "weights_gib", "reserve_gib", "host_dram_gib"):
+            if getattr(inputs, name) is not None:
+                bounded(getattr(inputs, name), f"--{name.replace('_', '-')}", 0, MAX_GIB)
+        if inputs.kv_bytes_per_token is not None:
+            bounded(inputs.kv_bytes_per_token, "--kv-bytes-per-token", 1, MAX_KV_BYTES)
+        self.inputs = inputs
+        self.gpu = gpu_sku(inputs.gpu)
+        self.cfg = EngramConfig.resolve(inputs.model)
+        self.rows = EngramLayout(self.cfg).num_embeddings
+        self.row_bytes = row_bytes(self.cfg)
+        facts = load_facts(self.cfg)
+        overrides = {}
+        if inputs.kv_bytes_per_token is not None:
+            # The operator's figure is what one rank's pool spends per token: taken as is.
+            overrides.update(kv_bytes_per_token=float(inputs.kv_bytes_per_token), kv_replicated=True, kv_heads=None)
+            facts.sources["kv_bytes_per_token"] = "--kv-bytes-per-token (per rank)"
+        if inputs.weights_gib is not None:
+            overrides["weight_bytes"] = int(round(inputs.weights_gib * GIB))
+            facts.sources["weight_bytes"] = "--weights-gib"
+        self.facts = dataclasses.replace(facts, **overrides)
+        if inputs.tp is not None:
+            _check_tp(inputs.tp, self.facts)
+        if inputs.min_kv_tokens is not None and (
+            isinstance(inputs.min_kv_tokens, bool) or not isinstance(inputs.min_kv_tokens, int) or inputs.min_kv_tokens < 0
+        ):
+            raise PlannerError(f"--min-kv-tokens must be a whole number >= 0, got {inputs.min_kv_tokens!r}")
+        if inputs.min_kv_tokens is not None and inputs.min_kv_tokens > MAX_TOKENS:
+            raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def table_bytes(self) -> int:
+        return sum(self.rows) * self.row_bytes
+
+    @property
+    def rows_per_token(self) -> int:
+        return self.cfg.n_layers * self.cfg.hash_columns
+
+    def min_kv_tokens(self) -> int:
+        if self.inputs.min_kv_tokens is not None:
+            return self.inputs.min_kv_tokens
+        # One request at the full context must fit, else the server cannot honour its own limit.
+        return self.facts.context_length or 0
+
+    def kv_per_rank(self, tp: int) -> Optional[float]:
+        kv = self.facts.kv_bytes_per_token
+        if kv is None or self.facts.kv_replicated:
+            return kv
+        kv_heads = self.facts.kv_heads
+        if kv_heads:
+            # GQA: each rank keeps kv_heads / TP heads, at least one (replicated below that).
+            return kv * max(1, kv_heads // tp) / kv_heads
+        return kv / tp
+
+    def reserve(self, tp: int) -> int:
+        if self.inputs.reserve_gib is not None:
+            return int(round(self.inputs.reserve_gib * GIB))
+        return sglang_reserve_bytes(tp, self.gpu.hbm_bytes)
+
+    def hbm(self, tp: int, placement: str) -> dict[str, Any]:
+        """Per-GPU HBM budget at `tp` with tables in `placement`."""
+        w = self.facts.weight_bytes
+        weights = None if w is None else -(-w // tp)
+        tables = shard_bytes(self.rows, tp, self.row_bytes) if placement == "device" else 0
+        hot = int(round(self.inputs.hot_cache_gib * GIB)) if placement != "device" else 0
+        reserve = self.reserve(tp)
+        free = None if weights is None else self.gpu.hbm_bytes - weights - tables - hot - reserve
+        kv = self.kv_per_rank(tp)
+        tokens = None if free is None or kv is None else max(0, int(free // kv))
+        freed = 0 if placement == "device" else shard_bytes(self.rows, tp, self.row_bytes) - hot
+        need = None if kv is None else int(math.ceil(self.min_kv_tokens() * kv))
+        fits = None if free is None or need is None else free >= need
+        return {
+            "hbm_bytes": self.gpu.hbm_bytes,
+            "weights_bytes": weights,
+            "tables_bytes": tables,
+            "hot_cache_bytes": hot,
+            "reserve_bytes": reserve,
+            "free_for_kv_bytes": free,
+            "kv_tokens": tokens,
+            "hbm_freed_bytes": freed,
+            "kv_tokens_gained": None if kv is None else int(max(0, freed) // kv),
+            "min_kv_bytes": need,
+            "fits": fits,
+        }
+
+    def smallest_tp(self, placement: str) -> Optional[int]:
+        for tp in valid_tps(self.facts.attention_heads):
+            if self.hbm(tp, placement)["fits"]:
+                return tp
+        return None
+
+    def host_dram(self, tp: int) -> dict[str, Any]:
+        """Host DRAM per node for the host placement, one node filled with replicas."""
+        per_node = self.gpu.gpus_per_node
+        ranks = min(tp, per_node)
+        replicas = per_node // tp if tp <= per_node else 1
+        gpus_used = ranks * replicas
+        shard = shard_bytes(self.rows, tp, self.row_bytes)
+        return {
+            "gpus_per_node": per_node,
+            "ranks_per_node": ranks,
+            "replicas_per_node": replicas,
+            "shared_bytes": self.table_bytes,
+            "per_rank_bytes": shard * gpus_used,
+            "per_rank_each_bytes": shard,
+        }
+
+    def dev_shm(self) -> dict[str, Any]:
+        need = self.table_bytes if self.inputs.placement == "host" and self.inputs.host_layout == "shared" else 0
+        size_g = math.ceil(need / GIB) + SGLANG_SHM_GIB
+        return {
+            "needed_bytes": need,
+            "docker_shm_size": f"{size_g}g",
+            "docker_flags": f"--shm-size={size_g}g (or --ipc=host)",
+        }
+
+    def host_link(self, tp: int) -> dict[str, Any]:
+        lines = lines_per_row(self.row_bytes)
+        per_token = self.rows_per_token * lines * CACHE_LINE
+        # Shared layout: every rank maps all rows and gathers every row of its tokens; per-rank
+        # layout: a rank gathers only the rows of its own shard (~1/TP), then all-reduces.
+        share = 1.0 if self.inputs.host_layout == "shared" else 1.0 / tp
+        gbps = self.gpu.host_link_gbps
+        decode = DECODE_BATCH * per_token * share
+        prefill = PREFILL_CHUNK * per_token * share
+        return {
+            "link": self.gpu.host_link,
+            "peak_gbps": gbps,
+            "lines_per_row": lines,
+            "bytes_per_token": per_token,
+            "decode_batch": DECODE_BATCH,
+            "decode_step_bytes": int(decode),
+            "decode_step_us_at_peak": decode / (gbps * 1e9) * 1e6,
+            "prefill_chunk": PREFILL_CHUNK,
+            "prefill_chunk_bytes": int(prefill),
+            "prefill_chunk_ms_at_peak": prefill / (gbps * 1e9) * 1e3,
+        }
+
+    def assumptions(self, tp: int) -> list[str]:
+        f = self.facts
+        out = [
+            f"table rows from the config's prime layout; {self.row_bytes} B per packed row "
+            f"({self.cfg.head_dim} fp8 + {self.cfg.head_dim // BLOCK} e8m0 scales)",
+            "row-range TP shards: the largest rank holds ceil(rows/TP) rows of every layer",
+            f"HBM per GPU: driver-reported capacity ({self.gpu.name}, configs/gpus.json)",
+        ]
+        if f.weight_bytes is not None:
+            out.append(
+                f"non-Engram weights {f.weight_bytes / GIB:.2f} GiB split evenly over TP "
+                f"(replicated pieces such as norms add a little): {f.sources.get('weight_bytes', '?')}"
+            )
+        else:
+            out.append("non-Engram weight bytes unknown: pass --weights-gib to get KV room and the smallest TP")
+        if f.kv_bytes_per_token is not None:
+            where = "per rank, whatever the TP" if f.kv_replicated else "split over TP by KV head"
+            out.append(
+                f"KV cache {f.kv_bytes_per_token:g} B per token ({where}): {f.sources.get('kv_bytes_per_token', '?')}"
+            )
+        else:
+            out.append("KV bytes per token unknown: pass --kv-bytes-per-token")
+        if self.inputs.reserve_gib is None:
+            out.append(
+                f"runtime reserve {self.reserve(tp) / GIB:.2f} GiB per GPU: SGLang 0.5.23's default rule "
+                f"(chunked prefill {SGLANG_CHUNKED_PREFILL}, decode graphs to batch {SGLANG_DECODE_GRAPH_BS}); "
+                "--reserve-gib overrides"
+            )
+        out.append(
+            f"'fits' means room for at least {self.min_kv_tokens():,} KV tokens "
+            "(one request at the full context; --min-kv-tokens overrides)"
+        )
+        if f.attention_heads is not None:
+            out.append(f"TP must divide the {f.attention_heads} attention heads ({f.sources.get('num_attention_heads', '?')})")
+        out.append(
+            f"/dev/shm: a shared host table is one {self.table_bytes / GIB:.2f} GiB copy per node in /dev/shm, "
+            f"plus the {SGLANG_SHM_GIB} GiB SGLang's docker examples give the server; per-rank tables use anonymous memory"
+        )
+        out.append(
+            f"host link times are at the link's peak ({self.gpu.host_link_gbps:g} GB/s per direction) for "
+            f"{lines_per_row(self.row_bytes):g} 64-byte lines per row; measure with bench/tiers.py"
+        )
+        return out
+
+    # ------------------------------------------------------------------ report
+    def plan(self) -> dict[str, Any]:
+        inp = self.inputs
+        smallest = {p: self.smallest_tp(p) for p in PLACEMENTS}
+        tp = inp.tp if inp.tp is not None else smallest[inp.placement]
+        warnings: list[str] = []
+        if tp is None:
+            if self.facts.weight_bytes is None or self.facts.kv_bytes_per_token is None:
+                raise PlannerError(
+                    f"{self.facts.name}: cannot pick a TP without its weight and KV sizes; "
+                    "pass --tp (and --weights-gib / --kv-bytes-per-token for the HBM budget)"
+                )
+            raise PlannerError(
+                f"{self.facts.name} does not fit on {self.gpu.key} with tables in {inp.placement} "
+                f"at any TP up to {valid_tps(self.facts.attention_heads)[-1]}"
+            )
+        per = {p: self.hbm(tp, p) for p in PLACEMENTS}
+        chosen = per[inp.placement]
+        if chosen["fits"] is False:
+            warnings.append(
+                f"TP{tp} with tables in {inp.placement} does not fit on {self.gpu.key}: "
+                f"{(chosen['free_for_kv_bytes'] or 0) / GIB:.2f} GiB left for KV, need "
+                f"{chosen['min_kv_bytes'] / GIB:.2f} GiB; smallest TP that fits: {smallest[inp.placement]}"
+            )
+        dram = self.host_dram(tp)
+        if inp.host_dram_gib is not None and inp.placement == "host":
+            need = dram["shared_bytes"] if inp.host_layout == "shared" else dram["per_rank_bytes"]
+            if need > inp.host_dram_gib * GIB:
+                warnings.append(
+                    f"host tables need {need / GIB:.2f} GiB of DRAM per node ({inp.host_layout} layout), "
+                    f"more than the {inp.host_dram_gib:g} GiB given"
+                )
+        shard = shard_bytes(self.rows, tp, self.row_bytes)
+        return {
+            "model": {
+                "name": self.facts.name,
+                "config": self.cfg.source,
+                "model_type": self.facts.model_type,
+                "engram_layers": list(self.cfg.layer_ids),
+                "rows_per_layer": list(self.rows),
+                "row_bytes": self.row_bytes,
+                "attention_heads": self.facts.attention_heads,
+                "context_length": self.facts.context_length,
+                "weight_bytes": self.facts.weight_bytes,
+                "kv_bytes_per_token": self.facts.kv_bytes_per_token,
+                "kv_replicated_across_tp": self.facts.kv_replicated,
+                "sources": dict(sorted(self.facts.sources.items())),
+            },
+            "gpu": dataclasses.asdict(self.gpu),
+            "tp": tp,
+            "placement": inp.placement,
+            "host_layout": inp.host_layout,
+            "tables": {
+                "total_bytes": self.table_bytes,
+                "total_gib": round(self.table_bytes / GIB, 2),
+                "per_rank_bytes": shard,
+                "per_rank_gib": round(shard / GIB, 2),
+            },
+            "hbm_per_gpu": per,
+            "hbm_freed_bytes": chosen["hbm_freed_bytes"],
+            "kv_tokens_gained": chosen["kv_tokens_gained"],
+            "smallest_tp": smallest,
+            "host_dram_per_node": dram,
+            "dev_shm": self.dev_shm(),
+            "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
+            "host_link": self.host_link(tp),
+            "assumptions": self.assumptions(tp),
+            "warnings": warnings,
+        }
+
+
+def plan(**kwargs: Any) -> dict[str, Any]:
+    """The plan as a dict (what `--json` prints); keyword arguments are PlanInputs fields."""
+    return Planner(PlanInputs(**kwargs)).plan()
+

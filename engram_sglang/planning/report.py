@@ -1,0 +1,93 @@
+"""The planner's report as text: the tables `engram-sglang plan` prints (`--json` prints the dict)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..config import PLACEMENTS
+from .data import GIB
+
+
+def _fmt_gib(b: Optional[float], signed: bool = False) -> str:
+    if b is None:
+        return "n/a"
+    return f"{'+' if signed and b > 0 else ''}{b / GIB:.2f} GiB"
+
+
+def _fmt_tokens(n: Optional[int], signed: bool = False) -> str:
+    if n is None:
+        return "n/a"
+    sign = "+" if signed and n > 0 else ""
+    if n >= 1_000_000:
+        return f"{sign}{n / 1e6:.2f} M"
+    if n >= 1_000:
+        return f"{sign}{n / 1e3:.1f} k"
+    return f"{sign}{n}"
+
+
+def format_text(p: dict[str, Any]) -> str:
+    g, m, t = p["gpu"], p["model"], p["tables"]
+    tp = p["tp"]
+    lines = [
+        f"{m['name']} on {g['key']} ({g['vendor']} {g['arch']}, {g['hbm_bytes'] / GIB:.2f} GiB HBM, "
+        f"{g['host_link']} {g['host_link_gbps']:g} GB/s), TP{tp}, tables in {p['placement']}"
+        + (f" ({p['host_layout']} layout)" if p["placement"] == "host" else ""),
+        "",
+        "Engram tables",
+        f"  {'total':<34}{_fmt_gib(t['total_bytes']):>14}   "
+        f"({len(m['rows_per_layer'])} layers, {sum(m['rows_per_layer']):,} rows x {m['row_bytes']} B)",
+        f"  {f'per rank at TP{tp}':<34}{_fmt_gib(t['per_rank_bytes']):>14}   (row-range shards, largest rank)",
+        "",
+        f"HBM per GPU at TP{tp}{'':<22}{'device':>14}{'host':>14}{'disk':>14}",
+    ]
+    h = p["hbm_per_gpu"]
+
+    def row(label: str, key: str, fmt=_fmt_gib, **kw: Any) -> str:
+        return f"  {label:<38}" + "".join(f"{fmt(h[pl][key], **kw):>14}" for pl in PLACEMENTS)
+
+    kvb = m["kv_bytes_per_token"]
+    lines += [
+        row("weights (non-Engram)", "weights_bytes"),
+        row("Engram tables", "tables_bytes"),
+        row("hot-row cache", "hot_cache_bytes"),
+        row("runtime reserve", "reserve_bytes"),
+        row("left for KV cache", "free_for_kv_bytes"),
+        row("HBM freed vs device", "hbm_freed_bytes"),
+        row(f"KV tokens ({kvb:g} B/token)" if kvb else "KV tokens", "kv_tokens", fmt=_fmt_tokens),
+        row("KV tokens gained", "kv_tokens_gained", fmt=_fmt_tokens, signed=True),
+        f"  {'fits (room for min KV)':<38}"
+        + "".join(f"{('n/a' if h[pl]['fits'] is None else 'yes' if h[pl]['fits'] else 'NO'):>14}" for pl in PLACEMENTS),
+        f"  {'smallest TP that fits':<38}"
+        + "".join(f"{(str(p['smallest_tp'][pl]) if p['smallest_tp'][pl] else 'none'):>14}" for pl in PLACEMENTS),
+        "",
+    ]
+    d = p["host_dram_per_node"]
+    lines += [
+        f"Host DRAM per node for host tables ({d['gpus_per_node']} GPUs, {d['replicas_per_node']} "
+        f"replica{'s' if d['replicas_per_node'] != 1 else ''} of TP{tp})",
+        f"  {'shared layout (one copy per node)':<38}{_fmt_gib(d['shared_bytes']):>14}",
+        f"  {'per-rank layout (a shard per rank)':<38}{_fmt_gib(d['per_rank_bytes']):>14}",
+    ]
+    s = p["dev_shm"]
+    lines += [
+        f"  {'/dev/shm needed':<38}{_fmt_gib(s['needed_bytes']):>14}   docker run {s['docker_flags']}",
+    ]
+    if p["disk_bytes_per_node"]:
+        lines.append(f"  {'table files on local disk':<38}{_fmt_gib(p['disk_bytes_per_node']):>14}")
+    hl = p["host_link"]
+    lines += [
+        "",
+        f"Host link ({hl['link']}, {hl['peak_gbps']:g} GB/s peak; {hl['lines_per_row']:g} lines of 64 B per row, "
+        f"{p['host_layout']} layout)",
+        f"  {'decode step of ' + str(hl['decode_batch']) + ' tokens':<38}"
+        f"{hl['decode_step_bytes'] / 1e6:>10.2f} MB   {hl['decode_step_us_at_peak']:.0f} us at peak",
+        f"  {'prefill chunk of ' + str(hl['prefill_chunk']) + ' tokens':<38}"
+        f"{hl['prefill_chunk_bytes'] / 1e6:>10.2f} MB   {hl['prefill_chunk_ms_at_peak']:.2f} ms at peak",
+        "",
+        "Assumptions",
+        *(f"  - {a}" for a in p["assumptions"]),
+    ]
+    if p["warnings"]:
+        lines += ["", "Warnings", *(f"  ! {w}" for w in p["warnings"])]
+    return "\n".join(lines)
+
