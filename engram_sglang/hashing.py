@@ -311,6 +311,13 @@ def history_row(tokens: Sequence[int], n: int) -> list[int]:
     return [0] * (n - 1 - len(tail)) + [int(t) for t in tail]
 
 
+def newest_history(windows: torch.Tensor, last: torch.Tensor, n: int) -> torch.Tensor:
+    """The history rows a step leaves: the newest n-1 raw tokens of each request's last
+    window, oldest first. `windows` [T, n] as `NgramHasher.windows` builds them (newest
+    first), `last` [bs] the index of each request's last token in the batch."""
+    return windows[last, : n - 1].flip(-1)
+
+
 class HashHistory:
     """Per-request raw-token history in upstream's layout: int32 [slots + 1, n - 1].
 
@@ -337,10 +344,8 @@ class HashHistory:
         `windows` [T, n] as built by `NgramHasher.windows`, `last` [bs] the index of each
         request's last token in the batch.
         """
-        last_windows = windows[last.to(windows.device, torch.int64)]
-        self.table[slots.to(self.table.device, torch.int64)] = (
-            last_windows[:, : self.n - 1].flip(-1).to(self.table.dtype).to(self.table.device)
-        )
+        newest = newest_history(windows, last.to(windows.device, torch.int64), self.n)
+        self.table[slots.to(self.table.device, torch.int64)] = newest.to(self.table.dtype).to(self.table.device)
 
     def commit_after_verify(self, slots: torch.Tensor, verify_ids: torch.Tensor, commit_lens: torch.Tensor) -> None:
         """Speculative decoding: keep only the accepted tokens of each verify block.

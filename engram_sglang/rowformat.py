@@ -17,7 +17,8 @@ import functools
 import numpy as np
 import torch
 
-PAYLOAD_BYTES = 256
+ROW_VALUES = 256  # bf16 values a packed row decodes to: the width of every gathered row
+PAYLOAD_BYTES = ROW_VALUES  # one e4m3fn byte per value
 SCALE_BYTES = 8
 ROW_BYTES = PAYLOAD_BYTES + SCALE_BYTES
 BLOCK = PAYLOAD_BYTES // SCALE_BYTES  # values per e8m0 scale
@@ -136,3 +137,10 @@ def bf16_bits(x: torch.Tensor) -> torch.Tensor:
     bits = x.to(torch.bfloat16).view(torch.int16).clone()
     bits[torch.isnan(x.to(torch.bfloat16))] = 0x7FC0
     return bits
+
+
+def row_checksums(rows: torch.Tensor) -> torch.Tensor:
+    """Per-token checksum of gathered bf16 rows [T, C, ROW_VALUES]: the sum of their bit
+    patterns (NaNs canonical) as int64 [T]. Equal bits give equal sums; the serving trace
+    and the reference model both write it, and the tests compare the two."""
+    return bf16_bits(rows).to(torch.int64).reshape(rows.shape[0], -1).sum(-1)

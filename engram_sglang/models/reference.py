@@ -23,14 +23,8 @@ import torch.nn.functional as F
 from ..config import EngramConfig
 from ..hashing import NgramHasher, compressed_token_map
 from ..layer import EngramLayer, rms_norm
-from ..rowformat import bf16_bits, dequantize
+from ..rowformat import dequantize, row_checksums
 from ..tablefile import open_tables
-
-
-def row_checksum(rows: torch.Tensor) -> torch.Tensor:
-    """Per-token checksum of gathered bf16 rows [T, C, 256]: the sum of their bit patterns
-    (NaNs canonical) as int64 [T]. Equal bits give equal sums; the tests compare these."""
-    return bf16_bits(rows).to(torch.int64).reshape(rows.shape[0], -1).sum(-1)
 
 
 @dataclasses.dataclass
@@ -145,7 +139,7 @@ class ReferenceModel:
         positions = torch.arange(ids.numel())
         hash_ids = self.hasher.hash_sequence(ids)
         rows = self.rows(hash_ids)
-        checksums = torch.stack([row_checksum(rows[L]) for L in self.engram.layer_ids], dim=1)
+        checksums = torch.stack([row_checksums(rows[L]) for L in self.engram.layer_ids], dim=1)
         h = self._w("model.embed_tokens.weight")[ids]
         for i in range(self.n_layers):
             if i in self.layers:

@@ -18,6 +18,7 @@ from torch import nn
 from sglang.srt.layers.engram import EngramHasher
 
 from ..errors import EngramError
+from ..hashing import newest_history
 
 
 class StepHasher(EngramHasher):
@@ -74,5 +75,5 @@ class StepHasher(EngramHasher):
         out_loc = forward_batch.out_cache_loc
         if out_loc is not None and out_loc.numel() == T:
             rows = torch.where(out_loc[last] == 0, self.pad_row, rows)
-        self.history[rows] = windows[last, : n - 1].flip(-1).to(self.history.dtype)
+        self.history[rows] = newest_history(windows, last, n).to(self.history.dtype)
         return ids, token_req, name

@@ -25,7 +25,7 @@ import torch
 
 from ..config import EngramConfig
 from ..errors import EngramError
-from ..rowformat import bf16_bits
+from ..rowformat import row_checksums
 from ..stores import maintenance
 from ..stores.base import TableIOError
 from .settings import ServeSettings
@@ -276,11 +276,6 @@ class EngramRuntime:
             store.close()
 
 
-def row_checksums(rows: torch.Tensor) -> list[int]:
-    """Per-token sum of the bf16 bit patterns (NaNs canonical) of rows [T, C, 256]."""
-    return bf16_bits(rows).to(torch.int64).reshape(rows.shape[0], -1).sum(-1).tolist()
-
-
 class _TraceWriter:
     """One JSON line per step: per token its request slot, position, token id, and per
     Engram layer its hash ids and the checksum of the rows the layer used."""
@@ -298,7 +293,7 @@ class _TraceWriter:
             "pos": step.positions.tolist(),
             "tok": step.input_ids.tolist(),
             "ids": {str(L): step.hash_ids[:, i].tolist() for i, L in enumerate(layer_ids)},
-            "sum": {str(L): row_checksums(step.rows[L]) for L in layer_ids if L in step.rows},
+            "sum": {str(L): row_checksums(step.rows[L]).tolist() for L in layer_ids if L in step.rows},
         }
         self.step += 1
         with open(self.path, "a") as f:
