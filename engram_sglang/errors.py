@@ -15,3 +15,10 @@ class TableFormatError(EngramError, ValueError):
 
 class TokenizerMismatchError(EngramConfigError):
     """The tokenizer normalizes to a different compressed vocabulary than the config says."""
+
+
+class PatchTargetMissing(EngramError):
+    """An SGLang attribute the plugin patches is not in the installed SGLang.
+
+    SGLang's plugin loader logs and swallows every Exception a plugin raises, so the plugin
+    turns this one into one line on stderr and SystemExit(2), which it does not catch."""

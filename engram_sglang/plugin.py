@@ -6,6 +6,11 @@ applied when SGLang itself imports the module it patches (`_after_import`), so a
 detokenizer never pays for the model registry. SGLang swallows exceptions raised while a
 plugin loads, so configuration errors surface where the model and its tables are built.
 
+Every SGLang attribute patched is declared in patching.TARGETS and checked when its module
+is imported, before any patch of it: a missing one (another SGLang release) or a patch that
+fails stops the process with one line and exit status 2 (SystemExit, which SGLang's plugin
+loader does not catch), never a half-patched server.
+
 What it installs:
 * `--engram-*` flags on SGLang's command line (shown by --help), each exported to its
   `ENGRAM_*` variable for the processes SGLang starts (serving/settings.py);
@@ -68,6 +73,12 @@ def _register_cli_hooks() -> None:
         return
     HookRegistry.register("sglang.srt.server_args.prepare_server_args", _prepare_server_args, HookType.AROUND)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AFTER)
+    # The registry logs a hook it cannot apply and goes on: check both targets first.
+    _after_import("sglang.srt.server_args", _check_only)
+
+
+def _check_only(module) -> None:
+    """No patch of ours: _apply's check of the module's declared targets is the point."""
 
 
 def _prepare_server_args(original, argv, *args, **kwargs):
@@ -236,11 +247,26 @@ _FINDER = _AfterImportFinder()
 
 
 def _apply(patch: Callable, module) -> None:
+    """Check every declared target of `module`, then patch it. A missing target or a failed
+    patch stops the process: one line on stderr, exit status 2. Not an exception SGLang's
+    loader swallows (it catches Exception) and not a log line: a server half patched would
+    run upstream's Engram layer, which loads every table into GPU memory itself."""
+    from .patching import check_module
+
     try:
+        check_module(module)
         patch(module)
         logger.debug("engram-sglang patched %s", module.__name__)
-    except Exception:  # a broken patch must not break SGLang's import; say so loudly
-        logger.exception("engram-sglang: patching %s failed", module.__name__)
+    except Exception as e:
+        from .errors import PatchTargetMissing
+
+        if isinstance(e, PatchTargetMissing):
+            why = str(e)
+        else:  # our bug, or an SGLang that changed under a target's name: the traceback helps
+            logger.exception("engram-sglang: patching %s failed", module.__name__)
+            why = f"patching {module.__name__} failed ({type(e).__name__}: {e}); the server would run half patched"
+        print(f"engram-sglang: error: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _after_import(module_name: str, patch: Callable) -> None:
