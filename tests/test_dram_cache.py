@@ -15,7 +15,7 @@ from engram_sglang.hashing import EngramLayout
 from engram_sglang.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.stores import open_store
-from engram_sglang.stores.dram_cache import DramRowCache, plan_slots
+from engram_sglang.stores.dram_cache import SLOT_OVERHEAD, DramRowCache, plan_slots
 from engram_sglang.tablefile import write_tables
 
 CFG = small_config(400)
@@ -39,7 +39,7 @@ def rows_of(ids: np.ndarray) -> np.ndarray:
 
 
 def test_lookup_returns_what_was_admitted_and_lru_evicts_within_a_set():
-    cache = DramRowCache(plan_slots(1, 1) + 4 * 16 * (ROW_BYTES + 16), ways=4)
+    cache = DramRowCache(plan_slots(1, 1) + 4 * 16 * (ROW_BYTES + SLOT_OVERHEAD), ways=4, admission="lru")
     assert cache.slots == 64 and cache.sets == 16
     ids = np.arange(0, 5000, dtype=np.int64)
     one_set = ids[cache.set_of(ids) == 3][:6]  # six ids of one four-way set
@@ -58,7 +58,7 @@ def test_lookup_returns_what_was_admitted_and_lru_evicts_within_a_set():
 
 
 def test_rows_hit_by_the_same_call_are_never_evicted_and_a_set_takes_at_most_its_ways():
-    cache = DramRowCache(8 * 2 * (ROW_BYTES + 16), ways=2)
+    cache = DramRowCache(8 * 2 * (ROW_BYTES + SLOT_OVERHEAD), ways=2)
     ids = np.arange(0, 5000, dtype=np.int64)
     s0 = ids[cache.set_of(ids) == 0][:5]
     with cache.lock:
@@ -78,9 +78,9 @@ def test_too_small_a_cache_is_one_clear_error():
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "threads"])
 def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(tables, rng, monkeypatch, overlap):
-    from engram_sglang.stores import placements
+    from engram_sglang.stores import disk
 
-    monkeypatch.setattr(placements, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
+    monkeypatch.setattr(disk, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
     root, rows = tables
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, threads=8, dram_cache_bytes=16 << 20)[L]
@@ -105,9 +105,9 @@ def test_disk_store_with_a_dram_cache_is_bit_exact_and_reads_each_row_once(table
 def test_a_tiny_cache_under_heavy_eviction_stays_bit_exact(tables, rng, monkeypatch, overlap):
     """Both ways of serving a call: inline (decode-sized) and with the misses read on the
     I/O thread while hits are copied, admission afterwards (prefill-sized)."""
-    from engram_sglang.stores import placements
+    from engram_sglang.stores import disk
 
-    monkeypatch.setattr(placements, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
+    monkeypatch.setattr(disk, "_OVERLAP_ROWS", 1 if overlap else 1 << 30)
     root, rows = tables
     for L, store in open_store(root, "disk", cfg=CFG, dram_cache_bytes=24 << 10, threads=4).items():
         try:

@@ -1,4 +1,5 @@
-"""The three placements of a layer table: device memory, host memory, a file on disk.
+"""The three placements of a layer table: device memory, host memory, a file on disk
+(DiskStore, in stores/disk.py).
 
 All three end in the same op, `gather_dequant`, over packed rows: the device and host
 stores hand it the whole (shard of the) table, the disk store a staging buffer of the
@@ -7,44 +8,41 @@ call's unique rows. So the bits are the same by construction, and the tests chec
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import mmap
 import os
-import stat
-import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from .. import fileio
 from ..errors import EngramError
 from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
-from . import hostmem, rowio
-from .base import Prefetch, TableIOError, TableReadFault, TableStore
-from .dram_cache import DramRowCache
+from . import hostmem, shmcopy
+from .base import TableStore
+from .disk import DiskStore  # noqa: F401  (the third placement, re-exported)
 from .metrics import METRICS
-from .staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
 
-# Distinct rows of a call from which the DRAM-cached disk store overlaps its work on threads.
-_OVERLAP_ROWS = 16384
+class _WholeTableStore(TableStore):
+    """A store holding its whole shard as one packed table `table`, which the op reads
+    directly, or by `table_address` where that is set (a host table registered with the GPU)."""
+
+    table: torch.Tensor
+    table_address: Optional[int] = None
+
+    def _gather(self, ids, out):
+        rows = gather_dequant(self.table, ids.to(self.device), out=out, row_range=self.row_range,
+                              backend=self.backend, table_address=self.table_address)
+        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 
 
-def _decode(table: torch.Tensor, ids: torch.Tensor, out, row_range, backend: str,
-            table_address: Optional[int] = None) -> torch.Tensor:
-    return gather_dequant(table, ids, out=out, row_range=row_range, backend=backend, table_address=table_address)
-
-
-class DeviceStore(TableStore):
+class DeviceStore(_WholeTableStore):
     """The rows in the compute device's memory (RAM on a CPU-only machine)."""
 
     placement = "device"
@@ -63,12 +61,8 @@ class DeviceStore(TableStore):
     def resident_bytes(self) -> int:
         return self.table.numel()
 
-    def _gather(self, ids, out):
-        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend)
-        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 
-
-class HostStore(TableStore):
+class HostStore(_WholeTableStore):
     """The rows in host memory (anonymous, or one /dev/shm copy per node), huge pages
     where the system gives them, registered with the GPU and read in-kernel by the device
     address the runtime maps them at (`table_address`)."""
@@ -79,7 +73,8 @@ class HostStore(TableStore):
     table_address: Optional[int] = None
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
-                 shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, fingerprint: str = ""):
+                 shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, keep: bool = False,
+                 checksums: tuple[str, ...] = (), chunk_rows: int = 0):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
         if self.device.type == "cuda":
@@ -89,36 +84,44 @@ class HostStore(TableStore):
             if not (dev.uva or dev.host_map):
                 raise EngramError(f"placement host: {dev.describe()} cannot read registered host memory "
                                   f"(its runtime reports no mapping of host memory): choose placement device or disk")
-        shm_path = None
+        spec = None
         if shared:
             # One copy of the whole layer per node: every TP rank and DP replica on the node
-            # maps the same file and reads its own row range of it.
+            # maps the same file and reads its own row range of it. Named by the rows' content
+            # (the manifest's checksums), which it is checked against (stores/shmcopy.py).
+            if not checksums or chunk_rows < 1:
+                raise EngramError(f"{path}: a shared host copy needs the manifest's chunk checksums to name and check "
+                                  f"it (open the tables with open_store)")
             shm_dir = Path(shm_dir)
             need = rows * ROW_BYTES
             if not shm_dir.is_dir():  # a typo must not quietly cost one copy per rank
                 raise EngramError(f"{shm_dir}: the shared host table's directory (ENGRAM_SHM_DIR) does not exist or is "
                                   f"not a directory; give an existing tmpfs such as /dev/shm, or turn sharing off")
             free = hostmem.shm_free_bytes(shm_dir)
-            name = f"engram-{fingerprint}-layer{layer_id}.rows"
-            for p in (shm_dir / name, shm_dir / (name + ".lock")):
-                mode = os.stat(p).st_mode if p.exists() else None
-                if mode is not None and not stat.S_ISREG(mode):
-                    raise EngramError(f"{p}: is {fileio.kind_of(mode)}, not a shared table file; remove it")
-            if (shm_dir / name).exists() or free >= need:
-                shm_path = shm_dir / name
+            candidate = shmcopy.Spec(shm_dir, layer_id, rows, chunk_rows, tuple(checksums), keep)
+            shmcopy.check_kinds(candidate.path)
+            if os.path.lexists(candidate.path) or free >= need:
+                spec = candidate
             else:
                 logger.warning(
                     "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
                     "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
                     layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1,
                 )
-        first, last = (0, rows) if shm_path is not None else (lo, hi)
+        first, last = (0, rows) if spec is not None else (lo, hi)
         nbytes = (last - first) * ROW_BYTES
+        # The shared copy is served read-only, unless the GPU cannot register read-only memory
+        # (no ReadOnly registration flag: HIP, older CUDA devices), which then needs it writable.
+        read_only = self.device.type != "cuda" or hostmem.can_register_read_only(self.device)
         self.memory = hostmem.HostTable(
-            nbytes, source=Path(path), source_offset=DATA_OFFSET + first * ROW_BYTES, shm_path=shm_path, huge_pages=huge_pages
+            nbytes, source=Path(path), source_offset=DATA_OFFSET + first * ROW_BYTES, shared=spec,
+            huge_pages=huge_pages, read_only=read_only,
         )
+        shm_path = self.memory.shm_path
         self.shared = shm_path is not None
-        mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
+        with warnings.catch_warnings():  # a read-only buffer: nothing here writes the table
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
         self.table = mapped[lo - first : hi - first]
         # Registered: only the pages of the rows this rank reads (its shard of a shared layer),
         # for this store's device; kernels read them by the device address the runtime gives.
@@ -134,10 +137,6 @@ class HostStore(TableStore):
     @property
     def resident_bytes(self) -> int:
         return self.memory.nbytes
-
-    def _gather(self, ids, out):
-        rows = _decode(self.table, ids.to(self.device), out, self.row_range, self.backend, self.table_address)
-        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 
     def stats(self) -> dict:
         s = super().stats()
@@ -157,366 +156,4 @@ class HostStore(TableStore):
             self.registration = None
             self.table_address = None
             self.memory.registered = False
-
-
-class DiskStore(TableStore):
-    """Rows read from the layer file on demand; the table is never held in RAM by us.
-
-    Each call dedupes its ids, reads the unique rows in its shard with `threads` reads in
-    flight (through a persistent MADV_RANDOM mapping, so page-cached rows cost a memory
-    read; or with `direct=True` by O_DIRECT reads through native AIO, falling back to
-    threads of pread where AIO is unavailable), stages them, and decodes with the
-    same op as every placement. A failed read is retried through pread (which reports
-    the real errno), then raises TableIOError for that call only.
-
-    `dram_cache_bytes` puts a row-granular DRAM cache (DramRowCache) in front of the file:
-    hits are copied from it, misses read from the file and admitted. `read_ahead(ids)`
-    reads rows into it before the step that needs them (a prefill's next chunk).
-    """
-
-    placement = "disk"
-    needs_host_ids = True
-
-    def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
-                 retries: int = 2, dram_cache_bytes: int = 0):
-        super().__init__(layer_id, path, rows, row_range, device, backend)
-        if threads < 1:
-            raise EngramError(f"disk store: threads must be >= 1, got {threads}")
-        if dram_cache_bytes < 0:
-            raise EngramError(f"disk store: dram_cache_bytes must be >= 0, got {dram_cache_bytes}")
-        lo, hi = row_range
-        self.dram = DramRowCache(dram_cache_bytes, max_rows=hi - lo) if dram_cache_bytes else None
-        self._file_rows = 0  # rows read from the file (cache misses), all calls
-        self._ahead: Optional[ThreadPoolExecutor] = None  # read-ahead
-        self._io: Optional[ThreadPoolExecutor] = None  # a call's misses, read while its hits are copied
-        self._admitter: Optional[ThreadPoolExecutor] = None
-        self._admission: Optional[Future] = None
-        self._ahead_rows = 0
-        rowio.library()  # fail at start-up, not at the first request, when it is not built
-        self.threads, self.direct, self.retries = threads, direct, retries
-        self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        self._aio = direct  # O_DIRECT reads by native AIO while the kernel allows it
-        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self._map = None
-        if not direct:
-            self._map = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-            self._map.madvise(mmap.MADV_RANDOM)  # a miss reads its page, not an 8 MiB window
-            self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data + DATA_OFFSET
-        self._read_latencies: deque[float] = deque(maxlen=4096)  # recent calls, for stats()
-        self._staging: Optional[StagingPool] = None  # pinned double buffer (GPU prefetch)
-
-    @property
-    def resident_bytes(self) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        s = super().stats()
-        lat = np.array(self._read_latencies) if self._read_latencies else np.zeros(1)
-        s.update(reads=len(self._read_latencies), read_ms_p50=1e3 * float(np.percentile(lat, 50)),
-                 read_ms_p99=1e3 * float(np.percentile(lat, 99)), direct=self.direct, threads=self.threads,
-                 file_rows_read=self._file_rows, read_ahead_rows=self._ahead_rows)
-        if self.dram is not None:
-            s.update(self.dram.stats())
-        return s
-
-    def _gather(self, ids, out):
-        # The ids visit the host once per call: the reads need them there (on a GPU,
-        # `.to("cpu")` on the caller's stream waits for the kernel that made them).
-        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
-        wanted, local = self._plan(flat)
-        fault = None
-        try:
-            staging = self._timed_read(wanted)
-        except TableReadFault as e:
-            fault, staging = e, e.packed
-        table = torch.from_numpy(staging).to(self.device)
-        local = torch.from_numpy(local).view(ids.shape).to(self.device)
-        rows = _decode(table, local, out, (0, wanted.shape[0]), self.backend)
-        METRICS.served(self, ids.numel(), unique=wanted.shape[0])
-        if fault is not None:
-            fault.rows = rows
-            raise fault
-        return rows, wanted.shape[0]
-
-    def _plan(self, flat: np.ndarray, local_out: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted distinct ids of this shard, staging index of each id). Ids outside the
-        shard point one past the staged rows, which the op's row_range turns into +0.0 rows.
-        The index work is numpy's: on a decode step's few hundred ids torch's per-op
-        overhead dominated."""
-        uniq, inverse = np.unique(flat, return_inverse=True)  # sorted: neighbours share pages
-        first, end = np.searchsorted(uniq, self.row_range)  # sorted ids: this shard's rows are one slice
-        wanted = uniq[first:end]
-        local = np.subtract(inverse.reshape(-1), first, out=local_out)
-        local[(local < 0) | (local >= wanted.shape[0])] = wanted.shape[0]
-        return wanted, local
-
-    def _timed_read(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        t0 = time.perf_counter()
-        staging = self.read_packed(wanted, out=out)
-        seconds = time.perf_counter() - t0
-        self._read_latencies.append(seconds)
-        METRICS.read(self, wanted.shape[0], seconds)
-        return staging
-
-    # ----------------------------------------------- prefetch on a GPU: host half, stream half
-    def _prefetch_host_ids(self, ids: torch.Tensor, streams) -> Prefetch:
-        """The caller's stream copies the ids into pinned memory and records an event; a
-        worker thread waits for it on the host, reads the packed rows into the slot's pinned
-        staging (file I/O only, no stream work); `wait()` copies them to the device and
-        decodes them on the consumer's stream."""
-        if self._staging is None:
-            self._staging = StagingPool(streams)
-        slot = self._staging.acquire()
-        try:
-            n = ids.numel()
-            ready = None
-            if streams.on_device(ids):
-                host_ids = slot.buffer("ids", (n,), torch.int64)
-                streams.to_host(ids.reshape(-1), host_ids)  # on the stream that made the ids
-                ready = streams.record_event(streams.current())
-            else:
-                host_ids = ids.reshape(-1).to(torch.int64)
-            future = self._worker_thread().submit(self._stage, slot, host_ids, ready, tuple(ids.shape))
-        except BaseException:
-            self._staging.free(slot)
-            raise
-        return Prefetch(future=future, finish=self._finish_staged, discard=self._discard_staged)
-
-    def _stage(self, slot, host_ids: torch.Tensor, ready, shape: tuple) -> "_Staged":
-        """Worker thread: the packed rows of the ids into pinned staging."""
-        try:
-            t0 = time.perf_counter()
-            if ready is not None:
-                self._streams.synchronize_event(ready)  # the ids' copy has landed
-            slot.wait_free()  # the GPU no longer copies out of this slot's buffers
-            flat = host_ids.numpy()
-            if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
-                bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
-                raise EngramError(f"layer {self.layer_id}: row id {bad} is outside the table's {self.rows} rows")
-            local = slot.buffer("local", (flat.shape[0],), torch.int64)
-            wanted, _ = self._plan(flat, local_out=local.numpy())
-            # One row at least: a table of no rows has no valid strides (every id is out of range then).
-            packed = slot.buffer("packed", (max(1, wanted.shape[0]), ROW_BYTES), torch.uint8)
-            fault = None
-            try:
-                self._timed_read(wanted, out=packed.numpy()[: wanted.shape[0]])
-            except TableReadFault as e:  # the rows read are in `packed`, the failed ones +0
-                fault = e
-            return _Staged(slot, packed, local, shape, int(wanted.shape[0]), time.perf_counter() - t0, fault)
-        except BaseException:
-            self._staging.free(slot)
-            raise
-
-    def _finish_staged(self, staged: "_Staged") -> torch.Tensor:
-        """Consumer's thread and stream: copy the staged rows in, decode them there."""
-        streams = self._streams
-        try:
-            table = streams.to_device(staged.packed)
-            local = streams.to_device(staged.local)
-            copied = streams.record_event(streams.current())
-        except BaseException:
-            self._staging.free(staged.slot)
-            raise
-        self._staging.free(staged.slot, copied)
-        t0 = time.perf_counter()
-        rows = _decode(table, local.view(staged.shape), None, (0, staged.unique), self.backend)
-        METRICS.served(self, local.numel(), unique=staged.unique)
-        self._account(local.numel(), staged.seconds + time.perf_counter() - t0, staged.unique)
-        if staged.fault is not None:
-            staged.fault.rows = rows
-            raise staged.fault
-        return rows
-
-    def _discard_staged(self, staged: "_Staged") -> None:
-        """A released handle: nothing was queued on a stream, the slot is free as it is."""
-        self._staging.free(staged.slot)
-
-    def read_packed(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Packed rows [n, 264] of sorted distinct global row ids (all inside this file),
-        from the DRAM cache where it holds them, else from the file (then admitted);
-        written into `out` (uint8 [n, 264], e.g. pinned staging) when given."""
-        wanted = np.ascontiguousarray(wanted, dtype=np.int64)
-        if self.dram is None or wanted.shape[0] == 0:
-            staging = self._read_file(wanted, out=out)
-            self._file_rows += wanted.shape[0]
-            return staging
-        if self._admission is not None:  # the previous call's admissions (done by now, normally)
-            self._admission.result()
-            self._admission = None
-        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8) if out is None else out
-        # Big calls (prefill chunks) overlap: the misses' reads start first and the hits are
-        # copied while they are in flight; admission runs after the call returns. For a
-        # decode step's few thousand rows two thread hand-offs cost more than they save
-        # (and on a small machine the extra threads take CPU from the model).
-        overlap = wanted.shape[0] >= _OVERLAP_ROWS
-        reading = None
-        with self.dram.lock:
-            hit, slot = self.dram.lookup(wanted)
-            missed = wanted[~hit]
-            if missed.shape[0] and overlap:
-                reading = self._worker("_io", "io").submit(self._read_file, missed)
-            self.dram.copy_hits(slot, hit, staging)  # under the lock: no admission reuses a slot meanwhile
-        if not missed.shape[0]:
-            return staging
-        fault = None
-        try:
-            got = reading.result() if reading is not None else self._read_file(missed)
-        except TableReadFault as e:  # admit what was read, never the failed rows
-            fault, got = e, e.packed
-            keep = ~np.isin(missed, e.failed_ids)
-            missed, got = missed[keep], got[keep]
-            staging[~hit] = e.packed
-        else:
-            staging[~hit] = got
-        self._file_rows += missed.shape[0]
-        if fault is not None:
-            self._admit(missed, got)
-            fault.packed = staging
-            raise fault
-        if overlap:
-            # The next call waits for it only if it is not done.
-            self._admission = self._worker("_admitter", "admit").submit(self._admit, missed, got)
-        else:
-            self._admit(missed, got)
-        return staging
-
-    def _admit(self, ids: np.ndarray, rows: np.ndarray, *, new_use: bool = False) -> None:
-        with self.dram.lock:
-            new = ~self.dram.contains(ids)  # admitted by another thread meanwhile
-            if new_use:
-                self.dram.begin()  # read ahead: the most recent rows, not those of the last lookup
-            self.dram.admit(ids[new], rows[new])
-
-    def _worker(self, attr: str, name: str) -> ThreadPoolExecutor:
-        """One lazily started thread of this store (its I/O, its admissions)."""
-        pool = getattr(self, attr)
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{name}-l{self.layer_id}")
-            setattr(self, attr, pool)
-        return pool
-
-    def read_ahead(self, ids: torch.Tensor | np.ndarray) -> Optional[Future]:
-        """Start reading the rows of `ids` (any shape; other shards' ids ignored) into the
-        DRAM cache, or into the page cache when there is none; returns a Future of the rows
-        read, or None when nothing would keep them (O_DIRECT reads and no DRAM cache).
-        Reads run on one background thread, in order; a failure is logged, never raised:
-        the gather that needs the rows reads them again and reports it."""
-        if self.dram is None and self.direct:
-            return None
-        flat = ids.reshape(-1).to("cpu", torch.int64).numpy() if isinstance(ids, torch.Tensor) else ids.reshape(-1)
-        uniq = np.unique(flat)
-        first, end = np.searchsorted(uniq, self.row_range)
-        wanted = uniq[first:end].astype(np.int64)
-        return self._worker("_ahead", "ahead").submit(self._read_ahead, wanted)
-
-    def _read_ahead(self, wanted: np.ndarray) -> int:
-        try:
-            if self.dram is not None:
-                with self.dram.lock:
-                    wanted = wanted[~self.dram.contains(wanted)]
-            got = self._read_file(wanted)
-            self._file_rows += wanted.shape[0]
-            self._ahead_rows += wanted.shape[0]
-            if self.dram is not None:
-                self._admit(wanted, got, new_use=True)
-            return int(wanted.shape[0])
-        except Exception as e:  # noqa: BLE001 - the gather that needs these rows reports it
-            logger.warning("engram layer %d: read-ahead of %d rows failed: %s", self.layer_id, wanted.shape[0], e)
-            return 0
-
-    def _read_file(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Packed rows [n, 264] of sorted distinct row ids, read from the file (into `out`)."""
-        staging = np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8) if out is None else out
-        if wanted.shape[0] == 0:
-            return staging
-        size = os.fstat(self._fd).st_size
-        last = int(wanted[-1])
-        if DATA_OFFSET + (last + 1) * ROW_BYTES > size:
-            raise TableIOError(
-                f"{self.path}: row {last} lies past the end of the file ({size} bytes): the file was truncated or "
-                f"replaced under the open store; restore it and restart"
-            )
-        if self._map is not None and rowio.copy_mapped(self._base, wanted, staging, self.threads) < 0:
-            return staging
-        if self._map is None and self._aio:
-            err, _ = rowio.aio_read_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads)
-            if err == 0:
-                return staging
-            if err == rowio.AIO_UNAVAILABLE:
-                self._aio = False
-                logger.warning("engram layer %d: native AIO is unavailable (io_setup failed; raise "
-                               "/proc/sys/fs/aio-max-nr?): reading by %d threads of pread instead",
-                               self.layer_id, self.threads)
-        # The mapping faulted (I/O error or truncation), AIO failed or is unavailable: pread
-        # retries and reports why.
-        err, failed = 0, -1
-        for attempt in range(self.retries + 1):
-            err, failed = rowio.pread_rows(self._fd, DATA_OFFSET, wanted, staging, self.threads, self.direct)
-            if err == 0:
-                return staging
-            logger.warning("engram layer %d: reading %s failed (%s), try %d of %d", self.layer_id, self.path,
-                           _strerror(err), attempt + 1, self.retries + 1)
-            time.sleep(0.01 * (attempt + 1))
-        METRICS.error(self)
-        # Which rows fail? One read each (an error path only): the others are served, the
-        # requests that needed a failed row are failed by the caller.
-        bad = np.zeros(wanted.shape[0], dtype=bool)
-        for k in range(wanted.shape[0]):
-            e, _ = rowio.pread_rows(self._fd, DATA_OFFSET, wanted[k:k + 1], staging[k:k + 1], 1, self.direct)
-            if e != 0:
-                bad[k], err = True, e
-        staging[bad] = 0
-        failed_ids = wanted[bad]
-        if not failed_ids.shape[0]:  # the fault went away between the tries and the classification
-            return staging
-        raise TableReadFault(
-            f"{self.path}: reading {failed_ids.shape[0]} of {wanted.shape[0]} rows (first: row {int(failed_ids[0])}) "
-            f"failed after {self.retries + 1} tries: {_strerror(err)}",
-            failed_ids=failed_ids, errno_=max(err, 0), packed=staging)
-
-    def describe(self) -> str:
-        how = (("O_DIRECT native AIO" if self._aio else "O_DIRECT preads") if self.direct
-               else "page cache through a persistent mapping")
-        cache = ""
-        if self.dram is not None:
-            lo, hi = self.row_range
-            cache = (f", DRAM row cache {self.dram.nbytes / 2**30:.2f} GiB ({self.dram.slots:,} rows, "
-                     f"{self.dram.slots / max(1, hi - lo):.1%} of the shard)")
-        return f"{super().describe()}, {how}, {self.threads} reads in flight{cache}"
-
-    def close(self) -> None:
-        super().close()
-        for attr in ("_ahead", "_io", "_admitter"):
-            pool = getattr(self, attr)
-            if pool is not None:
-                pool.shutdown(wait=True)
-                setattr(self, attr, None)
-        if self.dram is not None:
-            self.dram.close()
-            self.dram = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-@dataclasses.dataclass
-class _Staged:
-    """What a worker staged for one prefetch: pinned packed rows and each id's staging index."""
-
-    slot: object
-    packed: torch.Tensor  # uint8 [max(1, unique), 264], pinned
-    local: torch.Tensor  # int64 [n], pinned
-    shape: tuple
-    unique: int
-    seconds: float
-    fault: Optional[TableReadFault] = None
-
-
-def _strerror(err: int) -> str:
-    return "short read (the file ends early)" if err < 0 else os.strerror(err)
+        self.memory.close()  # a shared copy's last holder removes it
