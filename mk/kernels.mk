@@ -37,7 +37,9 @@ HIP_OBJ := $(KERNELS_OUT)/hip/engram_gather.o
 HIP_CO := $(foreach a,$(HIP_ARCHS),$(KERNELS_OUT)/hip/engram_gather.$(a).co)
 HIP_BITCODE := $(KERNELS_OUT)/hip/bitcode
 
-KERNEL_CXXFLAGS := -std=c++17 -O3 -fPIC -pthread -Wall -Wextra -fno-fast-math -ffp-contract=off
+# The host flags live in kernels/host-flags.mk, which the wheel carries for builds on first use.
+include kernels/host-flags.mk
+KERNEL_CXXFLAGS := $(ENGRAM_CPU_CXXFLAGS)
 NVCC_FLAGS := -std=c++17 -O3 -ftz=false -prec-div=true -prec-sqrt=true -fmad=false \
 	-Xcompiler -fPIC,-fno-fast-math,-Wall
 # __AMDGCN_WAVEFRONT_SIZE: Debian's HIP 5.2 headers read it and clang 22 no longer defines it.
@@ -83,7 +85,7 @@ kernels-hip: kernels-toolchain
 		echo "kernels: $(HIPCXX) or ROCm device libraries missing: skipping the HIP build (its tests skip)"; \
 	fi
 
-$(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) mk/kernels.mk
+$(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) kernels/host-flags.mk mk/kernels.mk
 	@mkdir -p $(@D)
 	$(CXX) $(KERNEL_CXXFLAGS) -shared -o $@ $<
 

@@ -5,8 +5,10 @@ ROWIO_SRC := kernels/io/engram_rowio.cpp
 .PHONY: rowio
 rowio: $(ROWIO_LIB)
 
-$(ROWIO_LIB): $(ROWIO_SRC)
+include kernels/host-flags.mk
+
+$(ROWIO_LIB): $(ROWIO_SRC) kernels/host-flags.mk
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++17 -O2 -fPIC -shared -pthread -fno-fast-math -Wall -Wextra -Wl,-z,defs -o $@ $<
+	$(CXX) $(ENGRAM_IO_CXXFLAGS) -shared -o $@ $<
 
 TEST_PREREQS += rowio

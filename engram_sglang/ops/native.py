@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .. import nativelibs
+from ..nativelibs import kernels_dir  # noqa: F401  (where tools look; docker/check-install.py)
 from . import gpu_runtime
 
 # Per library: the GPU launchers share one source and one ABI (kernels/cuda/engram_gather.cu).
@@ -23,12 +25,6 @@ LIB_NAMES = {"cpu": "libengram_cpu.so", "cuda": "libengram_cuda.so", "hip": "lib
 
 class NativeUnavailable(RuntimeError):
     """A native library that is not built, does not load, or does not fit this machine."""
-
-
-def kernels_dir() -> Path:
-    """Where `make kernels` puts the libraries (override with ENGRAM_KERNELS_DIR)."""
-    env = os.environ.get("ENGRAM_KERNELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
 
 
 @dataclass(frozen=True)
@@ -118,9 +114,10 @@ def load(kind: str) -> NativeLib:
     """The native library of `kind` ("cpu", "cuda", "hip"); raises NativeUnavailable."""
     if kind not in LIB_NAMES:
         raise ValueError(f"unknown native library kind {kind!r}")
-    path = kernels_dir() / LIB_NAMES[kind]
-    if not path.is_file():
-        raise NativeUnavailable(f"{path} not built (run `make kernels`)")
+    try:
+        path = nativelibs.locate(LIB_NAMES[kind])  # prebuilt, or the host library built on first use
+    except nativelibs.NativeLibraryError as e:
+        raise NativeUnavailable(str(e)) from None
     if kind in ("cuda", "hip"):
         _bind_to_loaded_runtime(kind, path)
     try:

@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import numpy as np
 
+from .. import nativelibs
 from ..errors import EngramError
+from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
 _LIB_NAME = "libengram_io.so"
 
 
-def kernels_dir() -> Path:
-    """Where built native libraries live (override with ENGRAM_KERNELS_DIR)."""
-    env = os.environ.get("ENGRAM_KERNELS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "build" / "kernels"
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    path = kernels_dir() / _LIB_NAME
-    if not path.is_file():
-        raise EngramError(f"{path}: native row I/O library not built; run `make rowio` (or `make kernels`)")
+    try:
+        path = nativelibs.locate(_LIB_NAME)  # prebuilt (`make rowio`), or built on first use
+    except nativelibs.NativeLibraryError as e:
+        raise EngramError(f"native row I/O library: {e}") from None
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.engram_rowio_copy_mapped.argtypes = [p, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
