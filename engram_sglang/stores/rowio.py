@@ -1,4 +1,5 @@
-"""ctypes binding of the native row reads (kernels/io/engram_rowio.cpp, built by `make rowio`)."""
+"""ctypes binding of the native row reads (kernels/io/engram_rowio.cpp, built by `make rowio`, or on
+first use from an installed wheel: engram_sglang/nativelibs.py)."""
 
 from __future__ import annotations
 
