@@ -124,3 +124,24 @@ def test_bf16_bits_is_a_real_bit_test():
     assert torch.equal(a, b) is False  # NaN != NaN, so torch.equal cannot be used...
     assert not torch.equal(bf16_bits(a), bf16_bits(b))  # ...and -0 differs from +0 here
     assert torch.equal(bf16_bits(a), bf16_bits(a.clone()))
+
+
+def test_row_checksums_sum_bits_per_token_and_see_one_changed_bit():
+    rows = torch.randn(3, 2, rowformat.ROW_VALUES, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    sums = rowformat.row_checksums(rows)
+    assert sums.dtype == torch.int64 and sums.shape == (3,)
+    assert sums.tolist() == [int(bf16_bits(rows[t]).to(torch.int64).sum()) for t in range(3)]
+    flipped = rows.clone()
+    flipped.view(torch.int16)[1, 0, 5] ^= 1  # one mantissa bit of one value of token 1
+    assert rowformat.row_checksums(flipped).tolist() != sums.tolist()
+    assert rowformat.row_checksums(flipped)[[0, 2]].tolist() == sums[[0, 2]].tolist()
+
+
+def test_the_triton_kernels_own_row_constants_are_the_formats():
+    # gather_triton.py is loaded by path where the package is not (bench/gpu_check.py), so it
+    # spells the row format itself: it must say what rowformat says.
+    pytest.importorskip("triton")
+    from engram_sglang.ops import gather_triton
+
+    assert gather_triton.ROW_VALUES == rowformat.ROW_VALUES == PAYLOAD_BYTES
+    assert gather_triton.ROW_BYTES == ROW_BYTES == gather_triton.ROW_WORDS * 8

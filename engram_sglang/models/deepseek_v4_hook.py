@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import EngramError
 from ..patching import wrap_method
+from ..rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class StoreEngramEmbedding(nn.Module):
         if store.rows != num_embeddings:
             raise EngramError(f"{store.path}: layer {layer_id} table has {store.rows} rows, the model's config wants "
                               f"{num_embeddings}; convert the tables again for this model")
-        if dim != 256:
-            raise EngramError(f"engram_head_dim is {dim}; packed tables hold 256 values per row")
+        if dim != ROW_VALUES:
+            raise EngramError(f"engram_head_dim is {dim}; packed tables hold {ROW_VALUES} values per row")
         self.dim, self.layer_id, self.store = dim, layer_id, store
         self.num_embeddings = num_embeddings
         self.row_start, row_end = store.row_range

@@ -19,10 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..rowformat import PAYLOAD_BYTES, ROW_BYTES, dequantize
+from ..rowformat import ROW_BYTES, ROW_VALUES, dequantize
 from . import native, probe
-
-ROW_VALUES = PAYLOAD_BYTES  # bf16 values out per row
 
 
 # ------------------------------------------------------------------ reference

@@ -18,7 +18,7 @@ import torch
 
 from ..config import PLACEMENTS  # noqa: F401  (re-exported)
 from ..errors import EngramError
-from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
+from ..rowformat import ROW_BYTES, ROW_VALUES
 from . import maintenance
 from . import streams as streams_mod
 
@@ -171,9 +171,9 @@ class TableStore(ABC):
         """bf16 rows [*ids.shape, 256] of global row ids (int32 or int64, any shape)."""
         if ids.dtype not in (torch.int32, torch.int64):
             raise EngramError(f"layer {self.layer_id}: row ids must be int32 or int64, got {ids.dtype}")
-        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (*ids.shape, PAYLOAD_BYTES)):
+        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (*ids.shape, ROW_VALUES)):
             raise EngramError(
-                f"layer {self.layer_id}: out must be bf16 {(*ids.shape, PAYLOAD_BYTES)}, got {out.dtype} {tuple(out.shape)}"
+                f"layer {self.layer_id}: out must be bf16 {(*ids.shape, ROW_VALUES)}, got {out.dtype} {tuple(out.shape)}"
             )
         if ids.device.type == "cpu" and ids.numel() and not maintenance.capturing():
             # Device ids are not checked here (a host sync), nor inside a capture; the

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import EngramError
-from ..rowformat import PAYLOAD_BYTES, ROW_BYTES
+from ..rowformat import ROW_BYTES, ROW_VALUES
 from . import maintenance
 from .base import TableReadFault, TableStore, split_by_rows
 from .cache_metrics import CACHE_METRICS
@@ -161,7 +161,7 @@ class HotRowCache(TableStore):
                 lower = gather_dequant(self.inner.table, torch.where(hit, -1, flat), row_range=self.inner.row_range,
                                        backend=self.backend, table_address=self.inner.table_address)
                 unique = None
-            rows = torch.where(hit.unsqueeze(-1), cached, lower).view(*ids.shape, PAYLOAD_BYTES)
+            rows = torch.where(hit.unsqueeze(-1), cached, lower).view(*ids.shape, ROW_VALUES)
             if out is not None:
                 out.copy_(rows)
                 rows = out
@@ -184,7 +184,7 @@ class HotRowCache(TableStore):
         need = ~hit_h & (flat_h >= lo) & (flat_h < hi)
         uniq, inverse = torch.unique(flat_h[need], return_inverse=True)  # sorted: neighbours share pages
         if uniq.numel() == 0:  # all hits (or other shards' rows)
-            return torch.zeros((flat.numel(), PAYLOAD_BYTES), dtype=torch.bfloat16, device=self.device), 0, None
+            return torch.zeros((flat.numel(), ROW_VALUES), dtype=torch.bfloat16, device=self.device), 0, None
         fault = None
         try:
             packed = self._read_lower(uniq.numpy())
