@@ -3,8 +3,11 @@
 Shows DeepSeek-V4.1-Flash's table layout and sizes, builds the small Qwen3 + Engram demo
 model once (demo_model.py: a tokenizer trained here on text the machine has, weights from
 a fixed seed, packed tables), serves it with `sglang.launch_server` with its tables on
-disk, completes a few prompts over HTTP, prints the completions and the table
-statistics, checks the completions against the PyTorch reference forward, and stops.
+disk, in host memory and in device memory, and once with Engram off (demo_serve.py), sends
+each server the same prompts at once (chosen from the corpus: demo_prompts.py), prints
+tokens/s, each placement's Engram cost per step beside one decoder layer's, the completions
+with Engram on and off side by side, checks the served tokens against the PyTorch reference
+forward, and stops.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Sequence
 
 from .config import EngramConfig
 from .hashing import EngramLayout
@@ -86,8 +90,9 @@ def demo_model(workdir: Path) -> tuple[Path, bool]:
     # The generator, the corpus it reads (this file) and the table format decide the model's bytes.
     from . import config, hashing, rowformat, tablefile
 
-    sources = (generator, config, hashing, rowformat, tablefile)
-    blob = b"".join(Path(m.__file__).read_bytes() for m in sources) + Path(__file__).read_bytes()
+    sources = [Path(m.__file__) for m in (generator, config, hashing, rowformat)]
+    sources += sorted(Path(tablefile.__file__).parent.glob("*.py"))  # the package's every module
+    blob = b"".join(p.read_bytes() for p in sources) + Path(__file__).read_bytes()
     want = hashlib.sha256(blob).hexdigest()[:16]
     if stamp.is_file() and stamp.read_text() == want:
         return model_dir, False
@@ -96,13 +101,20 @@ def demo_model(workdir: Path) -> tuple[Path, bool]:
     return model_dir, True
 
 
-def run_demo(workdir: str | os.PathLike = "build/demo", placement: str = "disk", max_new_tokens: int = 24) -> int:
-    """Build the demo model once, serve it with real `sglang.launch_server` (tables on disk
-    by default), complete the demo prompts over HTTP, print the completions and the table
-    statistics, check them against the PyTorch reference forward, and stop the server."""
-    from .demo_model import DEMO_PROMPTS, TABLE_DIR_NAME
+def run_demo(workdir: str | os.PathLike = "build/demo", placements: Sequence[str] = ("disk", "host", "device"),
+             n_prompts: int = 8, max_new_tokens: int = 32) -> int:
+    """Build the demo model once, serve it with real `sglang.launch_server` in every placement
+    and once with Engram off, complete the same prompts (all at once) on each, print tokens/s
+    and each placement's Engram cost per step beside one decoder layer's, the completions with
+    Engram on and off side by side, and check the served tokens against the PyTorch reference
+    forward. Exit status 1 when placements disagree or serving disagrees with the reference."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .demo_model import TABLE_DIR_NAME
+    from .demo_prompts import recall_prompts
+    from .demo_serve import OFF, engram_off_model, print_costs, serve_all
     from .models.reference import ReferenceModel
-    from .serving.launch import Server
     from .tablefile import inspect_tables, verify_tables
 
     workdir = Path(workdir)
@@ -113,44 +125,54 @@ def run_demo(workdir: str | os.PathLike = "build/demo", placement: str = "disk",
     table_dir = model_dir / TABLE_DIR_NAME
     cfg = EngramConfig.from_pretrained(model_dir)
     verify_tables(table_dir, cfg, progress=False)
+    off_dir = engram_off_model(model_dir, workdir / "model-engram-off")
     print(f"demo model {model_dir}: {'built' if built else 'reused'} and verified in {time.perf_counter() - t0:.1f} s")
     print(inspect_tables(table_dir))
 
-    print(f"\nserving it with sglang.launch_server, Engram tables placement {placement} ...")
-    t0 = time.perf_counter()
-    server = Server(model_dir, engram={"placement": placement}, max_total_tokens=4096,
-                    log_path=workdir / "sglang.log")
-    with server:
-        print(f"  ready in {time.perf_counter() - t0:.1f} s at {server.url} (log: {server.log_path})")
-        t0 = time.perf_counter()
-        outputs = [server.generate(p, max_new_tokens) for p in DEMO_PROMPTS]
-        seconds = time.perf_counter() - t0
-        for prompt, out in zip(DEMO_PROMPTS, outputs):
-            print(f"  {prompt!r} -> {out['text']!r}")
-        tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
-        print(f"  {len(outputs)} requests, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.0f} tokens/s, one at a time)")
-        stats = server.engram_stats()
-    print("  server stopped")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    chosen = recall_prompts(tokenizer, demo_corpus(), n_prompts, max_new_tokens)
+    prompts = [c.prompt for c in chosen]
+    print(f"\n{len(prompts)} prompts from the corpus the tables were built from, where its own greedy 4-gram chain "
+          f"runs {max_new_tokens} tokens without a tie or a loop (engram_sglang/demo_prompts.py)")
+    print(f"serving them with sglang.launch_server, Engram tables placement {', '.join(placements)}, and once with "
+          f"Engram off (value projection zeroed: {off_dir}) ...")
+    runs = serve_all(model_dir, off_dir, placements, prompts, max_new_tokens, workdir)
+    print("  servers stopped")
+    print_costs(runs, len(prompts), max_new_tokens)
 
-    print("\nEngram table statistics (from /server_info):")
-    print(f"  {stats['steps']} forward steps, {stats['tokens']} tokens; per step: forward "
-          f"{stats['forward_seconds_per_step'] * 1e3:.2f} ms, Engram layers {stats['engram_seconds_per_step'] * 1e3:.2f} ms "
-          f"(waiting for rows {stats['wait_seconds_per_step'] * 1e3:.3f} ms), one decoder layer "
-          f"{stats['layer_seconds'] * 1e3:.2f} ms")
-    for t in stats["tables"]:
-        print(f"  layer {t['layer_id']}: {t['placement']}, {t['calls']} gathers, {t['rows_served']:,} rows "
-              f"({t['bytes_served'] / 1e6:.2f} MB packed), {t['unique_rows']:,} read after deduplicating each call, "
-              f"{t['gather_seconds'] * 1e3:.1f} ms gathering, {t['resident_bytes'] / 2**20:.1f} MiB resident")
-
+    on, off = runs[0], runs[-1]
     reference = ReferenceModel(model_dir, table_dir)
-    off = ReferenceModel(model_dir, table_dir, engram_scale=0.0, tokenizer=reference.tokenizer)
-    same = changed = 0
-    for prompt, out in zip(DEMO_PROMPTS, outputs):
-        ids = reference.tokenizer(prompt)["input_ids"]
-        want, _ = reference.generate(ids, max_new_tokens)
-        without, _ = off.generate(ids, max_new_tokens)
-        same += want == out["output_ids"]
-        changed += without != want
-    print(f"\nPyTorch reference forward gives the same tokens for {same} of {len(outputs)} prompts; "
-          f"with Engram switched off {changed} of {len(outputs)} completions change")
-    return 0 if same == len(outputs) else 1
+    reference_off = ReferenceModel(model_dir, table_dir, engram_scale=0.0, tokenizer=reference.tokenizer)
+
+    def agrees(model, prompt, new) -> bool:
+        """Greedy decoding by `model` gives `new`: at every step the served token is the
+        reference's argmax (one forward over the whole served sequence)."""
+        logits = model.forward(prompt + new).logits[len(prompt) - 1:-1]
+        return logits.argmax(-1).tolist() == new
+
+    def loglik(model, prompt, source) -> float:
+        logp = model.forward(prompt + source).logits[len(prompt) - 1:-1].log_softmax(-1)
+        return logp.gather(-1, torch.tensor(source).unsqueeze(-1)).mean().item()
+
+    print(f"\nEngram on ({on.name}) vs off, same prompts; [n/{max_new_tokens}]: completion tokens equal to the "
+          f"corpus's 4-gram chain")
+    match_on = match_off = 0
+    for c, mine, theirs in zip(chosen, on.completions, off.completions):
+        a = sum(x == y for x, y in zip(mine, c.source))
+        b = sum(x == y for x, y in zip(theirs, c.source))
+        match_on, match_off = match_on + a, match_off + b
+        print(f"  {tokenizer.decode(c.prompt)!r}\n    on  [{a:>2}/{max_new_tokens}] {tokenizer.decode(mine)!r}"
+              f"\n    off [{b:>2}/{max_new_tokens}] {tokenizer.decode(theirs)!r}")
+    ll_on = sum(loglik(reference, c.prompt, c.source) for c in chosen) / len(chosen)
+    ll_off = sum(loglik(reference_off, c.prompt, c.source) for c in chosen) / len(chosen)
+    total = len(chosen) * max_new_tokens
+    print(f"  tokens equal to the chain: on {match_on} of {total}, off {match_off} of {total}; the chain's mean "
+          f"log-likelihood per token: on {ll_on:.2f}, off {ll_off:.2f} nats (reference forward)")
+
+    same_placements = all(r.completions == on.completions for r in runs if r.name != OFF)
+    same_on = sum(agrees(reference, p, new) for p, new in zip(prompts, on.completions))
+    same_off = sum(agrees(reference_off, p, new) for p, new in zip(prompts, off.completions))
+    print(f"\nevery placement served the same tokens: {'yes' if same_placements else 'NO'}; the PyTorch reference "
+          f"forward gives the same tokens for {same_on} of {len(prompts)} prompts, and with Engram switched off for "
+          f"{same_off} of {len(prompts)}")
+    return 0 if same_placements and same_on == len(prompts) else 1

@@ -206,12 +206,13 @@ def forge(out, cfg, rows_by_layer, config_block=None):
     """A self-consistent table directory (headers, checksums, manifest) of any row counts:
     what a buggy or hostile writer could leave."""
     from engram_sglang import tablefile
+    from engram_sglang.tablefile.write import _write_layer
 
     out.mkdir()
     layers = []
     for L, rows in rows_by_layer.items():
         path = out / layer_file_name(L)
-        sums = tablefile._write_layer(path, L, cfg, rows.shape[0], rows, 1000, False)
+        sums = _write_layer(path, L, cfg, rows.shape[0], rows, 1000, False)
         layers.append({"layer_id": L, "file": path.name, "rows": rows.shape[0], "checksums": sums})
     block = config_block or {**cfg.hash_fields(), "engram_num_embeddings": list(EngramLayout(cfg).num_embeddings)}
     (out / MANIFEST).write_text(json.dumps({

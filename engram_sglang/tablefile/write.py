@@ -1,0 +1,252 @@
+"""Writing a table directory: streamed chunk by chunk into a fresh directory beside the
+target, checked by opening it, then swapped in whole under a lock on the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
+
+import numpy as np
+import torch
+import xxhash
+from tqdm.auto import tqdm
+
+from ..config import EngramConfig
+from ..errors import TableFormatError
+from ..hashing import EngramLayout
+from ..rowformat import PAYLOAD_BYTES, ROW_BYTES, SCALE_BYTES
+from .fileformat import (
+    _HEADER,
+    _MAGIC,
+    CHUNK_ROWS,
+    DATA_OFFSET,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    RowSource,
+    _is_count,
+    _no_bar,
+    layer_file_name,
+)
+from .read import open_tables
+
+
+def write_tables(
+    out_dir: str | os.PathLike,
+    cfg: EngramConfig,
+    rows_by_layer: Mapping[int, RowSource],
+    *,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: Optional[bool] = None,
+) -> Path:
+    """Write every Engram layer's packed rows into `out_dir` and its manifest.
+
+    `rows_by_layer[L]` is a uint8 [R, 264] array/tensor (a memory map is fine) or an
+    iterable of such chunks, R = the layout's row count for layer L.
+    """
+    out = Path(out_dir)
+    layout = EngramLayout(cfg)
+    missing = [L for L in cfg.layer_ids if L not in rows_by_layer]
+    if missing:
+        raise TableFormatError(f"write_tables: no rows given for Engram layer(s) {missing} of {cfg.source}")
+    if not _is_count(chunk_rows):
+        raise TableFormatError(f"write_tables: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    # Beside the real target (a symlink's), so the final swap is a rename on one filesystem.
+    target = Path(os.path.realpath(out))
+    _check_target(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-{os.getpid()}-", dir=target.parent))
+    except OSError as e:
+        raise TableFormatError(f"{out}: cannot create a table directory there ({e.strerror})") from None
+    try:
+        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, progress)
+        open_tables(work, cfg)  # what was written must open before it replaces anything
+        _swap_in(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress) -> None:
+    layers = []
+    for layer_id in cfg.layer_ids:
+        expected = layout.rows(layer_id)
+        path = out / layer_file_name(layer_id)
+        try:
+            checksums = _write_layer(path, layer_id, cfg, expected, rows_by_layer[layer_id], chunk_rows, progress)
+        except OSError as e:  # a full disk, a quota
+            raise TableFormatError(f"{path}: cannot write the layer file ({e.strerror or e})") from None
+        layers.append({"layer_id": layer_id, "file": path.name, "rows": expected, "checksums": checksums})
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "row_bytes": ROW_BYTES,
+        "payload_bytes": PAYLOAD_BYTES,
+        "scale_bytes": SCALE_BYTES,
+        "data_offset": DATA_OFFSET,
+        "chunk_rows": chunk_rows,
+        "checksum": "xxh3_64",
+        "config_fingerprint": cfg.fingerprint(),
+        "config": {**cfg.hash_fields(), "engram_num_embeddings": list(layout.num_embeddings)},
+        "layers": layers,
+    }
+    try:
+        _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(out)
+    except OSError as e:
+        raise TableFormatError(f"{out / MANIFEST}: cannot write the manifest ({e.strerror or e})") from None
+
+
+def _is_table_entry(name: str) -> bool:
+    return name == MANIFEST or re.fullmatch(r"layer-\d+\.rows(\.tmp)?|manifest\.json\.tmp", name) is not None
+
+
+def _check_target(target: Path) -> None:
+    """A directory may be replaced only if it holds nothing but a table (or nothing)."""
+    if not os.path.lexists(target):
+        return
+    if not target.is_dir():
+        raise TableFormatError(f"{target}: exists and is not a directory; give a table directory to write")
+    try:
+        others = sorted(n for n in os.listdir(target) if not _is_table_entry(n))
+    except OSError as e:
+        raise TableFormatError(f"{target}: cannot list it ({e.strerror})") from None
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise TableFormatError(
+            f"{target}: holds files that are not a table's ({shown}); not replacing it: "
+            f"remove them or write to another directory"
+        )
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot; rename instead
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(work: Path, target: Path) -> None:
+    """Replace `target` by the complete directory `work` (same parent). Under a lock on the
+    parent, so two writers swap one after the other and the later one's directory stays
+    whole; readers see the old directory or the new one (an exchange where the filesystem
+    has it; else the old one is renamed aside first, a moment without either)."""
+    _fsync_dir(work)
+    lock = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _check_target(target)  # again: another writer may have put something there meanwhile
+        try:
+            if not os.path.lexists(target):
+                os.rename(work, target)
+            elif _exchange(work, target):
+                pass  # `work` now holds the old directory
+            else:
+                aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
+                os.rename(target, aside / "old")
+                os.rename(work, target)
+                work.mkdir()  # the caller's clean-up removes `work`: let it hold the old one
+                os.rename(aside / "old", work / "old")
+                aside.rmdir()
+        except OSError as e:
+            raise TableFormatError(f"{target}: cannot put the written tables in place ({e.strerror})") from None
+        _fsync_dir(target.parent)
+    finally:
+        os.close(lock)  # releases the lock
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _chunks_of(source: RowSource, chunk_rows: int) -> Iterator[np.ndarray]:
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        for lo in range(0, source.shape[0], chunk_rows):
+            yield _as_rows(source[lo : lo + chunk_rows])
+    else:
+        for chunk in source:
+            yield _as_rows(chunk)
+
+
+def _as_rows(chunk) -> np.ndarray:
+    a = chunk.contiguous().numpy() if isinstance(chunk, torch.Tensor) else np.ascontiguousarray(chunk)
+    if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != ROW_BYTES:
+        raise TableFormatError(f"row chunks must be uint8 [n, {ROW_BYTES}], got {a.dtype} {a.shape}")
+    return a
+
+
+def _write_layer(path, layer_id, cfg, expected, source, chunk_rows, progress) -> list[str]:
+    tmp = path.with_name(path.name + ".tmp")
+    header = json.dumps(
+        {"layer_id": layer_id, "rows": expected, "row_bytes": ROW_BYTES, "config_fingerprint": cfg.fingerprint()}
+    ).encode()
+    page = _HEADER.pack(_MAGIC, VERSION, len(header)) + header
+    checksums, hasher, in_chunk, written = [], xxhash.xxh3_64(), 0, 0
+    bar = tqdm(total=expected * ROW_BYTES, unit="B", unit_scale=True, desc=path.name, disable=_no_bar(progress))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(page.ljust(DATA_OFFSET, b"\0"))
+            for rows in _chunks_of(source, chunk_rows):
+                if written + rows.shape[0] > expected:
+                    raise TableFormatError(
+                        f"{path}: layer {layer_id} got more than the {expected} rows its layout has"
+                    )
+                f.write(memoryview(rows).cast("B"))
+                # Checksums cover fixed chunk_rows ranges whatever size the input chunks have.
+                lo = 0
+                while lo < rows.shape[0]:
+                    take = min(rows.shape[0] - lo, chunk_rows - in_chunk)
+                    hasher.update(memoryview(rows[lo : lo + take]).cast("B"))
+                    lo, in_chunk = lo + take, in_chunk + take
+                    if in_chunk == chunk_rows:
+                        checksums.append(hasher.hexdigest())
+                        hasher, in_chunk = xxhash.xxh3_64(), 0
+                written += rows.shape[0]
+                bar.update(rows.nbytes)
+            if written != expected:
+                raise TableFormatError(f"{path}: layer {layer_id} got {written} rows, its layout has {expected}")
+            if in_chunk:
+                checksums.append(hasher.hexdigest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    return checksums
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
