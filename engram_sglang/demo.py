@@ -18,45 +18,9 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import EngramConfig
+from .demo_corpus import DEMO_PROSE, demo_corpus, train_tokenizer  # noqa: F401  (re-exported: bench/, tests)
 from .hashing import EngramLayout
 from .rowformat import ROW_BYTES
-
-# Prose with accents, mixed scripts and whitespace runs: normalization has work to do.
-DEMO_PROSE = (
-    "Café naïve Ünïcödé façade — déjà vu!\tTabs\t\tand   spaces\n\nNew paragraph. "
-    "日本語のテキストと中文文本，还有 한국어 텍스트. Ελληνικά κείμενα. Русский текст.\r\n"
-    "ﬁ ligatures, ① circled, ＦＵＬＬＷＩＤＴＨ letters, e\u0301 combining accents. "
-)
-
-def demo_corpus(limit_chars: int = 400_000) -> list[str]:
-    """Text available offline: the prose above and Python's own standard library sources."""
-    stdlib = Path(os.__file__).parent
-    out, size = [DEMO_PROSE * 20], 0
-    for path in sorted(stdlib.glob("*.py")):
-        text = path.read_text(errors="replace")
-        out.append(text)
-        size += len(text)
-        if size > limit_chars:
-            break
-    return out
-
-
-def train_tokenizer(texts: list[str], vocab_size: int = 1500):
-    """A byte-level BPE fast tokenizer trained locally (no hub)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "<pad>", "</s>", "<image>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
 
 
 def print_deepseek_layout() -> None:
@@ -87,10 +51,11 @@ def demo_model(workdir: Path) -> tuple[Path, bool]:
 
     model_dir = workdir / "model"
     stamp = model_dir / ".engram-demo-stamp"
-    # The generator, the corpus it reads (this file) and the table format decide the model's bytes.
+    # The generator, the corpus it reads (demo_corpus.py) and the table format decide the model's bytes.
     from . import config, hashing, rowformat, tablefile
+    from . import demo_corpus as corpus
 
-    sources = [Path(m.__file__) for m in (generator, config, hashing, rowformat)]
+    sources = [Path(m.__file__) for m in (generator, corpus, config, hashing, rowformat)]
     sources += sorted(Path(tablefile.__file__).parent.glob("*.py"))  # the package's every module
     blob = b"".join(p.read_bytes() for p in sources) + Path(__file__).read_bytes()
     want = hashlib.sha256(blob).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """`engram-sglang demo-model DIR`: a small Qwen3 + Engram model built here, from nothing.
 
-* Tokenizer: byte-level BPE trained locally on text this machine has (demo.demo_corpus).
+* Tokenizer: byte-level BPE trained locally on text this machine has (demo_corpus.py).
 * Backbone weights: drawn from a fixed seed (small, so the backbone barely moves the
   residual stream).
 * Engram tables: n-gram memory of the same corpus. Every hash column's row holds the mean
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .config import EngramConfig
+from .demo_corpus import demo_corpus, train_tokenizer
 from .hashing import EngramLayout, NgramHasher, compressed_token_map
 from .rowformat import quantize
 
@@ -162,7 +163,6 @@ def build_demo_model(out_dir: str | os.PathLike, *, overwrite: bool = False, pro
     and the packed Engram tables in `out_dir/engram_tables/`. Returns `out_dir`."""
     from safetensors.torch import save_file
 
-    from .demo import demo_corpus, train_tokenizer
     from .tablefile import write_tables
 
     out = Path(out_dir)

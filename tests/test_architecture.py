@@ -176,3 +176,60 @@ def test_torch_in_kernels_is_reported(tmp_path, monkeypatch):
     (tmp_path / "kernels" / "x.py").write_text("import torch.utils.cpp_extension\n")
     found = kernel_violations(tmp_path / "kernels")
     assert any("x.cu:2" in v for v in found) and any("x.py:1" in v for v in found), found
+
+
+# ------------------------------------------------------------------ import circles
+def import_cycles(files: dict[str, Path], sources: dict[str, str] | None = None) -> list[list[str]]:
+    """Circles among the package's modules (strongly connected groups of the import graph,
+    lazy imports included). `from a import b` with a.b a module is an edge to a.b alone, and
+    a module's import of its own package is no edge: Python runs a package's __init__ before
+    any of its modules in any case."""
+    sources = sources or {}
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        edges = set()
+        for _, target, name in imports_of(path, sources.get(mod)):
+            t = f"{target}.{name}" if name and f"{target}.{name}" in known else target
+            if t in known and t != mod and not within(mod, t):
+                edges.add(t)
+        graph[mod] = edges
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles():
+    circles = import_cycles(package_files())
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_an_import_circle_is_reported():
+    # The circle there was: the demo model imported the demo for its corpus, the demo the model.
+    files = package_files()
+    module = "engram_sglang.demo_model"
+    source = files[module].read_text() + "\n\ndef f():\n    from .demo import demo_corpus\n"
+    circles = import_cycles(files, {module: source})
+    assert any({"engram_sglang.demo", "engram_sglang.demo_model"} <= set(c) for c in circles), circles
