@@ -28,7 +28,7 @@ import torch
 from .config import EngramConfig
 from .demo_corpus import demo_corpus, train_tokenizer
 from .hashing import EngramLayout, NgramHasher, compressed_token_map
-from .rowformat import quantize
+from .rowformat import ROW_VALUES, quantize
 
 DEMO_SEED = 20261129
 TABLE_DIR_NAME = "engram_tables"
@@ -40,7 +40,7 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 INTERMEDIATE = 512
 VOCAB = 1500
 ENGRAM_LAYERS = (1, 3)
-MAX_NGRAM, ENGRAM_HEADS, ROW_DIM = 4, 4, 256
+MAX_NGRAM, ENGRAM_HEADS, ROW_DIM = 4, 4, ROW_VALUES
 ENGRAM_VOCAB = 12_000  # where the prime search starts: ~12k rows per hash column
 ORDER_WEIGHT = {2: 0.5, 3: 1.0, 4: 1.5}  # longer n-grams are more specific: more weight
 CONV_STD = 0.5  # the short conv moves the output visibly (so a wrong conv state shows)
