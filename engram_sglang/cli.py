@@ -6,6 +6,7 @@ Every command turns an EngramError into one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -39,6 +40,45 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _shm_dir(args):
+    from pathlib import Path
+
+    d = Path(args.shm_dir)
+    if not d.is_dir():
+        raise EngramError(f"{d}: no such directory (give the --shm-dir the servers use, ENGRAM_SHM_DIR)")
+    return d
+
+
+def _cmd_shm_ls(args) -> int:
+    from .stores.shmcopy import list_copies
+
+    d = _shm_dir(args)
+    entries = list_copies(d)
+    if not entries:
+        print(f"{d}: no engram-sglang shared copies")
+        return 0
+    print(f"{'name':<44} {'GiB':>9} {'layer':>5} {'identity':<16}  holders")
+    for e in entries:
+        if "filler" in e:
+            who = f"leftover of a fill (process {e['filler']} {'alive' if e['filler_alive'] else 'gone'})"
+        elif e["holders"] is None:
+            who = "unknown (/proc/locks unreadable)"
+        else:
+            who = f"{len(e['holders'])} alive" + (f" (pids {', '.join(map(str, e['holders']))})" if e["holders"] else "")
+        print(f"{e['name']:<44} {e['bytes'] / 2**30:9.3f} {e['layer']:>5} {e['identity']:<16}  {who}")
+    return 0
+
+
+def _cmd_shm_rm(args) -> int:
+    from .stores.shmcopy import remove_copy
+
+    d = _shm_dir(args)
+    for name in args.names:
+        freed = remove_copy(d, name, force=args.force)
+        print(f"removed {d / name} ({freed / 2**30:.3f} GiB)")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -62,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = tables.add_parser("inspect", help="summarize a table directory")
     p.add_argument("table_dir")
     p.set_defaults(func=_cmd_inspect)
+
+    shm = sub.add_parser("shm", help="the node's shared host copies of tables (/dev/shm)").add_subparsers(
+        dest="shm_command", required=True)
+    shm_dir = os.environ.get("ENGRAM_SHM_DIR") or "/dev/shm"
+    p = shm.add_parser("ls", help="list shared copies: size, layer, content identity, servers holding them")
+    p.add_argument("--shm-dir", default=shm_dir, help=f"where the copies live (default: ENGRAM_SHM_DIR or /dev/shm: {shm_dir})")
+    p.set_defaults(func=_cmd_shm_ls)
+    p = shm.add_parser("rm", help="remove shared copies (refused for one a running server holds, unless --force)")
+    p.add_argument("names", nargs="+", metavar="NAME", help="a name `shm ls` lists")
+    p.add_argument("--shm-dir", default=shm_dir, help=f"where the copies live (default: {shm_dir})")
+    p.add_argument("--force", action="store_true", help="remove it even while servers hold it (they keep their "
+                   "mapping; the memory is freed when the last exits)")
+    p.set_defaults(func=_cmd_shm_rm)
 
     p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
     p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")

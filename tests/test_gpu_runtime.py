@@ -198,8 +198,10 @@ out["access"] = list(vars(gpu_runtime.host_access(rt, 1)).values())
 dev = probe.hip_device("fake MI300X", "gfx942", index=1, uva=False, host_map=True)
 probe.select_backend = lambda device=None, requested=None: probe.Choice(dev, "hip", (), "hip", False)
 with gpu_runtime.injected(rt):
+    import xxhash  # the shared copy is named by and checked against the manifest's checksums: one chunk here
+    rows_bytes = open(table_file, "rb").read()[4096:]
     store = HostStore(3, table_file, ROWS, (LO, HI), torch.device("cuda", 1), "hip", shared=True,
-                      shm_dir=shm_dir, fingerprint="fake")
+                      shm_dir=shm_dir, checksums=(xxhash.xxh3_64(rows_bytes).hexdigest(),), chunk_rows=ROWS)
 out["register"] = [rec.register_calls, rec.register_ptr, rec.register_bytes, rec.register_flags, rec.register_device]
 out["map_address"], out["table_ptr"], out["table_address"] = store.memory.address, store.table.data_ptr(), store.table_address
 out["device_after_register"] = rt.get_device()

@@ -13,8 +13,8 @@ from conftest import small_config
 from engram_sglang.errors import EngramError
 from engram_sglang.hashing import EngramLayout
 from engram_sglang.rowformat import ROW_BYTES
-from engram_sglang.stores import open_store
-from engram_sglang.tablefile import write_tables
+from engram_sglang.stores import open_store, shmcopy
+from engram_sglang.tablefile import open_tables, write_tables
 
 CFG = small_config(200, layer_ids=(1,), n_heads=2)
 
@@ -39,7 +39,9 @@ def test_a_missing_shm_directory_is_an_error_not_a_private_copy(table_dir, tmp_p
 @pytest.mark.parametrize("suffix", ["", ".lock"])
 @pytest.mark.parametrize("kind", ["directory", "FIFO"])
 def test_shared_table_paths_that_are_not_files(table_dir, tmp_path, suffix, kind):
-    name = f"engram-{CFG.fingerprint()}-layer1.rows{suffix}"
+    tables = open_tables(table_dir)
+    spec = shmcopy.Spec(tmp_path, 1, tables.layers[1].rows, tables.manifest["chunk_rows"], tables.layers[1].checksums)
+    name = spec.path.name + suffix  # named by the rows' content (stores/shmcopy.py)
     path = tmp_path / name
     path.mkdir() if kind == "directory" else os.mkfifo(path)
     with pytest.raises(EngramError, match=f"{name}: is a {kind}, not a shared table file; remove it"):

@@ -38,8 +38,11 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
         rows = store.gather(ids)
         partial = rows.float()
         dist.all_reduce(partial)  # what a TP all-reduce of the Engram rows computes
+        dist.barrier()  # every rank holds its store: count the node's copies now
         if rank == 0:
-            torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range}, os.path.join(result_dir, "out.pt"))
+            copies = len([n for n in os.listdir(shm_dir) if n.startswith("engram-") and n.endswith("-layer4.rows")])
+            torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range, "copies": copies},
+                       os.path.join(result_dir, "out.pt"))
         store.close()
         dist.barrier()  # no rank tears gloo down while a peer is still talking to it
     finally:
@@ -81,4 +84,5 @@ def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, plac
     assert torch.equal(bf16_bits(out["sum"]), bf16_bits(want))
     assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
     if placement == "host":
-        assert len(list(tmp_path.glob("engram-*-layer4.rows"))) == 1  # one copy for all ranks
+        assert out["copies"] == 1  # one copy for all ranks
+        assert list(tmp_path.glob("engram-*-layer4.rows")) == []  # removed by the last rank to close

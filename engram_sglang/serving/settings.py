@@ -46,6 +46,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
     Knob("host-shared", "bool", False, "host placement: one copy per node in /dev/shm instead of one per rank"),
     Knob("shm-dir", "str", "/dev/shm", "host placement: where the shared copy lives"),
+    Knob("host-keep", "bool", False, "host placement: keep the node's shared copy when the last server leaves "
+         "(else it removes it); see `engram-sglang shm ls`"),
     Knob("huge-pages", "bool", True, "host placement: back the table with transparent huge pages"),
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
@@ -70,6 +72,7 @@ class ServeSettings:
     backend: str = "auto"
     host_shared: bool = False
     shm_dir: str = "/dev/shm"
+    host_keep: bool = False
     huge_pages: bool = True
     disk_threads: int = 64
     disk_direct: bool = False
@@ -100,7 +103,8 @@ class ServeSettings:
             raise EngramConfigError("ENGRAM_DISK_DRAM_CACHE_MIB (--engram-disk-dram-cache-mib) needs placement disk, "
                                     f"got {self.placement}")
         if self.placement == "host":
-            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages, **cache}
+            keep = {"keep": True} if self.host_keep else {}
+            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages, **keep, **cache}
         if self.placement == "disk":
             dram = {"dram_cache_bytes": self.disk_dram_cache_mib << 20} if self.disk_dram_cache_mib else {}
             return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries, **dram,

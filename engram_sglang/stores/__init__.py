@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 _CLASSES = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}
 _OPTIONS = {
     "device": set(),
-    "host": {"shared", "shm_dir", "huge_pages"},
+    "host": {"shared", "shm_dir", "huge_pages", "keep"},
     "disk": {"threads", "direct", "retries", "dram_cache_bytes"},
 }
 
@@ -54,7 +54,8 @@ def open_store(
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
         sketch_depth.
-    options : placement options: host `shared`, `shm_dir`, `huge_pages`; disk `threads`,
+    options : placement options: host `shared`, `shm_dir`, `huge_pages`, `keep` (the node's
+        shared copy outlives the last server); disk `threads`,
         `direct`, `retries`, `dram_cache_bytes` (host bytes, all layers of this rank, of a
         row cache in front of the files, split like `cache_bytes`).
 
@@ -72,8 +73,6 @@ def open_store(
         rowio.check_threads(options["threads"], "disk placement option threads")
     tables = open_tables(table_dir, cfg)
     METRICS.get()  # the stores' Prometheus collectors register here, once per process
-    if placement == "host":
-        options.setdefault("fingerprint", tables.fingerprint)
     dram = split_by_rows(options.pop("dram_cache_bytes", 0),
                          {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()})
     stores: dict[int, TableStore] = {}
@@ -82,6 +81,8 @@ def open_store(
             row_range = shard_range(info.rows, tp_rank, tp_size)
             if dram[layer_id]:
                 options["dram_cache_bytes"] = dram[layer_id]
+            if placement == "host":  # a shared copy is named by and checked against these
+                options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]))
             store = _CLASSES[placement](layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
             logger.info("%s", store.describe())

@@ -2,14 +2,12 @@
 
 Never `pin_memory()`: PyTorch's pinned allocator rounds a 20.4 GiB table up to 32 GiB.
 The table is mapped (anonymous for a private copy, a 0600 file in /dev/shm for one copy per
-node), advised into transparent huge pages before it is filled (a row gather pays a TLB miss
+node: stores/shmcopy.py names, checks, shares and frees it), advised into transparent huge pages before it is filled (a row gather pays a TLB miss
 per row on 4 KiB pages), and registered with the GPU runtime so kernels read it over UVA.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -21,6 +19,7 @@ from typing import Optional
 
 from ..errors import EngramError
 from ..ops import gpu_runtime
+from . import shmcopy
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +76,29 @@ class HostTable:
 
     Parameters
     ----------
-    shm_path : map this /dev/shm file (one copy per node; created 0600 by the first rank,
-        which fills it while the others wait) instead of anonymous memory.
+    shared : map the node's copy this spec names in /dev/shm (filled by the first rank, or
+        checked against the manifest when no running server holds it, while the others wait;
+        read-only unless `read_only` is off) instead of anonymous memory.
     """
 
-    def __init__(self, nbytes: int, *, source: Path, source_offset: int, shm_path: Optional[Path] = None, huge_pages: bool = True):
+    def __init__(self, nbytes: int, *, source: Path, source_offset: int, shared: Optional["shmcopy.Spec"] = None,
+                 huge_pages: bool = True, read_only: bool = True):
         self.nbytes = nbytes
-        self.shm_path = shm_path
         self.huge_pages = huge_pages
-        if shm_path is None:
+        self.shared: Optional[shmcopy.SharedCopy] = None
+        self.shm_path: Optional[Path] = None
+        if shared is None:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._advise_huge(self.map)
             _fill(self.map, source, source_offset, nbytes)
             self._collapse()
         else:
-            self.map = _map_shared(shm_path, nbytes, source, source_offset, self._advise_huge)
+            if shared.nbytes != nbytes:
+                raise ValueError(f"a shared copy holds the whole layer ({shared.nbytes} bytes), not {nbytes}")
+            self.shared = shmcopy.SharedCopy(
+                shared, lambda m, progress: _fill(m, source, source_offset, nbytes, progress), self._advise_huge,
+                read_only=read_only)
+            self.map, self.shm_path = self.shared.map, self.shared.path
         self.address = _address_of(self.map)
         self.registered = False
 
@@ -118,6 +125,8 @@ class HostTable:
             self.map.close()
         except BufferError:
             pass  # a tensor view still holds it; freed with the last view
+        if self.shared is not None:
+            self.shared.release()  # the last server to leave removes the node's copy
 
 
 def _address_of(m: mmap.mmap) -> int:
@@ -126,9 +135,10 @@ def _address_of(m: mmap.mmap) -> int:
     return np.frombuffer(m, dtype=np.uint8).ctypes.data
 
 
-def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int) -> None:
+def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int, progress=None) -> None:
     """Copy nbytes of `source` from `offset` into the mapping, dropping the file's page cache
-    behind us (the table would otherwise sit in RAM twice)."""
+    behind us (the table would otherwise sit in RAM twice); `progress(bytes done)` after each
+    chunk."""
     view = memoryview(dst)
     fd = os.open(source, os.O_RDONLY)
     try:
@@ -140,61 +150,11 @@ def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int) -> None:
                 raise EngramError(f"{source}: ended after {offset + done} bytes while loading rows into host memory (truncated?)")
             os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
             done += n
+            if progress is not None:
+                progress(done)
     finally:
         os.close(fd)
         view.release()
-
-
-def _map_shared(path: Path, nbytes: int, source: Path, offset: int, advise) -> mmap.mmap:
-    """Map the node's shared copy, creating and filling it under a lock if it is missing."""
-    lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        _check_owner(lock_fd, Path(str(path) + ".lock"))
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the first rank fills; the others wait here
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            fd = None
-        if fd is not None:
-            try:
-                _check_owner(fd, path)
-                size = os.fstat(fd).st_size
-                if size != nbytes:
-                    raise EngramError(f"{path}: shared table has {size} bytes, {nbytes} expected; remove the stale file")
-                m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                advise(m)
-                return m
-            finally:
-                os.close(fd)
-        tmp = Path(f"{path}.tmp.{os.getpid()}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
-                raise
-            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            advise(m)
-            _fill(m, source, offset, nbytes)
-            os.rename(tmp, path)  # complete: only now can another rank find it
-            return m
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-    finally:
-        os.close(lock_fd)
-
-
-def _check_owner(fd: int, path: Path) -> None:
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        raise EngramError(f"{path}: owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); refusing to map it")
-    if st.st_mode & 0o077:
-        raise EngramError(f"{path}: mode {oct(st.st_mode & 0o777)} lets other users read or write it; refusing to map it (want 0600)")
 
 
 def shm_free_bytes(shm_dir: Path) -> int:
@@ -250,6 +210,19 @@ def several_gpus_visible() -> bool:
     import torch
 
     return torch.cuda.device_count() > 1
+
+
+def can_register_read_only(device) -> bool:
+    """Whether `device`'s runtime takes the ReadOnly registration flag, which read-only host
+    memory needs (CUDA where the device reports it; not HIP)."""
+    runtime, _ = gpu_runtime.try_current()
+    if runtime is None:
+        return False
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with runtime.device_guard(index):
+        return gpu_runtime.host_access(runtime, index).read_only
 
 
 def register_with_gpu(address: int, nbytes: int, *, device: int, runtime=None,

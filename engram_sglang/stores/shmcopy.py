@@ -1,0 +1,475 @@
+"""The node's shared copy of a layer table (host placement, shared on): one file in /dev/shm.
+
+Trusted on its content, not on its name and size:
+
+* named by the table content's identity (an xxh3 over the manifest's chunk checksums, the
+  layer and its rows), so a copy made from other tables of the same config is never found;
+* every file here (copy, `.lock`, `.users`, a fill's `.tmp.PID`) is opened with O_NOFOLLOW
+  and must be a regular 0600 file of this user: a symlink is refused, never followed or
+  created through;
+* filled through a writable mapping of `NAME.tmp.PID`, renamed when complete, and served
+  from a separate read-only mapping (a stray write faults instead of reaching every rank);
+* a copy that no running server holds (kept by an operator, or left by a server that was
+  killed) is checked against the manifest's checksums before it is served: start-up waits
+  for the check, with progress lines; a mismatch is removed and filled again;
+* leftover `.tmp.PID` files of crashed fills are removed: those of this copy under its lock
+  (no fill can be running then), others when their PID is dead;
+* reference counted by shared flocks on `NAME.users` (the kernel drops those of a dead
+  process): the last server to close its store removes the copy unless told to keep it.
+
+Start-up fills or checks under `NAME.lock`: the first rank works while the others wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import EngramError
+from ..fileio import kind_of
+from ..rowformat import ROW_BYTES
+
+logger = logging.getLogger(__name__)
+
+NAME = re.compile(r"^engram-([0-9a-f]{16})-layer(\d+)\.rows$")
+_TMP = re.compile(r"^(engram-[0-9a-f]{16}-layer\d+\.rows)\.tmp\.(\d+)$")
+PROGRESS_SECONDS = 5.0
+
+
+def identity(layer_id: int, rows: int, chunk_rows: int, checksums: tuple[str, ...]) -> str:
+    """16 hex digits naming a layer's rows by content (the manifest's xxh3 chunk checksums)."""
+    import xxhash
+
+    h = xxhash.xxh3_64(f"engram-sglang shared copy v1|{ROW_BYTES}|{layer_id}|{rows}|{chunk_rows}|".encode())
+    h.update(",".join(checksums).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a shared copy must hold: a layer's rows as the manifest describes them."""
+
+    directory: Path
+    layer_id: int
+    rows: int
+    chunk_rows: int
+    checksums: tuple[str, ...]
+    keep: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"engram-{identity(self.layer_id, self.rows, self.chunk_rows, self.checksums)}-layer{self.layer_id}.rows"
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * ROW_BYTES
+
+
+def sidecars(path: Path) -> tuple[Path, Path]:
+    """(lock, users) files of a copy."""
+    return Path(f"{path}.lock"), Path(f"{path}.users")
+
+
+def check_kinds(path: Path) -> None:
+    """Refuse, in one line, anything but a regular file (or nothing) at a copy's names."""
+    for p in (path, *sidecars(path)):
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise EngramError(f"{p}: is a symbolic link, not a shared table file; refusing to follow it (remove it)")
+        if not stat.S_ISREG(mode):
+            raise EngramError(f"{p}: is {kind_of(mode)}, not a shared table file; remove it")
+
+
+def _open(path: Path, flags: int) -> int:
+    """A descriptor of `path`, never through a symlink (O_NOFOLLOW, also with O_CREAT), which
+    must be a regular file owned by this user with mode 0600. FileNotFoundError passes."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise EngramError(f"{path}: is a symbolic link, not a shared table file; refusing to follow it "
+                              f"(remove it)") from None
+        if e.errno == errno.EISDIR:
+            raise EngramError(f"{path}: is a directory, not a shared table file; remove it") from None
+        raise EngramError(f"{path}: cannot open the shared table file ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise EngramError(f"{path}: is {kind_of(st.st_mode)}, not a shared table file; remove it")
+        check_owner(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_owner(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise EngramError(f"{path}: owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); refusing to map it")
+    if st.st_mode & 0o077:
+        raise EngramError(f"{path}: mode {oct(st.st_mode & 0o777)} lets other users read or write it; refusing to map it (want 0600)")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_ino, st.st_dev) == (own.st_ino, own.st_dev)
+
+
+def lock(path: Path, blocking: bool = True) -> Optional[int]:
+    """Hold the copy's `.lock` (exclusive); None when not blocking and someone holds it. The
+    last server to leave unlinks the lock file while it holds it: a lock won on an unlinked
+    file guards nothing, so it is taken again on the file the name now holds."""
+    lock_path = sidecars(path)[0]
+    while True:
+        fd = _open(lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(fd, lock_path):
+            return fd
+        os.close(fd)
+
+
+def _try_exclusive(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]:
+    """Remove `.tmp.PID` files of crashed fills: those of `own` whatever their PID (the caller
+    holds own's lock, under which every fill of it runs), others whose PID is dead."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m is None:
+            continue
+        p = directory / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != os.geteuid():
+            continue
+        if (own is None or m.group(1) != own.name) and _pid_alive(int(m.group(2))):
+            continue
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(p)
+        logger.warning("engram: removed %s (%.2f GiB), left by a fill that did not finish (process %s is gone)",
+                       p, st.st_size / 2**30, m.group(2))
+    return removed
+
+
+class _Progress:
+    """Log lines (every PROGRESS_SECONDS) of bytes done and the rate: 189 GiB takes minutes."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total = what, total
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            logger.info("engram: %s: %.2f of %.2f GiB (%.0f%%), %.2f GiB/s", self.what, done / 2**30,
+                        self.total / 2**30, 100 * done / max(1, self.total), done / 2**30 / max(now - self.t0, 1e-9))
+
+    def done(self) -> None:
+        s = max(time.monotonic() - self.t0, 1e-9)
+        logger.info("engram: %s: %.2f GiB in %.1f s (%.2f GiB/s)", self.what, self.total / 2**30, s,
+                    self.total / 2**30 / s)
+
+
+def verify(m, spec: Spec, progress: Optional[Callable[[int], None]] = None) -> Optional[int]:
+    """The first chunk of the mapped copy whose xxh3 differs from the manifest's, or None."""
+    import xxhash
+
+    view = memoryview(m)
+    try:
+        for i, want in enumerate(spec.checksums):
+            lo = i * spec.chunk_rows * ROW_BYTES
+            hi = min(spec.rows, (i + 1) * spec.chunk_rows) * ROW_BYTES
+            if xxhash.xxh3_64(view[lo:hi]).hexdigest() != want:
+                return i
+            if progress is not None:
+                progress(hi)
+    finally:
+        view.release()
+    return None
+
+
+# Copies this process holds, released at exit (a server that returns from main).
+_OPEN: "set[SharedCopy]" = set()
+_OPEN_LOCK = threading.Lock()
+
+
+class SharedCopy:
+    """This process's hold on the node's copy of one layer: a read-only mapping (`map`).
+
+    `fill(mapping, progress)` writes nbytes of rows into a writable mapping (HostTable's
+    loader); `advise(mapping)` asks for huge pages. `how` says whether it was filled, checked
+    or found in use by a running server. `read_only=False` serves a writable mapping: only for
+    a GPU that cannot register read-only memory."""
+
+    def __init__(self, spec: Spec, fill: Callable[[mmap.mmap, Callable[[int], None]], None],
+                 advise: Callable[[mmap.mmap], None], read_only: bool = True):
+        self.spec, self.path, self.nbytes = spec, spec.path, spec.nbytes
+        self.read_only = read_only
+        self._prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
+        self._flags = os.O_RDONLY if read_only else os.O_RDWR
+        check_kinds(self.path)
+        lock_fd = lock(self.path)
+        try:
+            reclaim_leftovers(spec.directory, self.path)
+            users = _open(sidecars(self.path)[1], os.O_RDWR | os.O_CREAT)
+            try:
+                self.map, self.how = self._open_or_fill(users, fill, advise)
+                fcntl.flock(users, fcntl.LOCK_SH)  # held while mapped (exclusive after a check: downgraded)
+                fd = _open(self.path, os.O_RDONLY)
+                try:
+                    st = os.fstat(fd)
+                    self._ident = (st.st_ino, st.st_dev)
+                finally:
+                    os.close(fd)
+            except BaseException:
+                os.close(users)
+                raise
+            self._users = users
+        finally:
+            os.close(lock_fd)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
+        logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
+
+    def _open_or_fill(self, users: int, fill, advise) -> tuple[mmap.mmap, str]:
+        path, nbytes = self.path, self.nbytes
+        try:
+            fd = _open(path, self._flags)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None:
+            try:
+                size = os.fstat(fd).st_size
+                in_use = not _try_exclusive(users)
+                if size != nbytes:
+                    if in_use:
+                        raise EngramError(f"{path}: shared table has {size} bytes, {nbytes} expected, and a running "
+                                          f"server maps it; stop it, then remove the file")
+                    bad = "its size"
+                    m = None
+                else:
+                    m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=self._prot)
+                    advise(m)
+                    if in_use:  # checked or filled by the running server that holds it
+                        return m, "mapped (in use by a running server)"
+                    chunk = verify(m, self.spec, _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes))
+                    if chunk is None:
+                        return m, "checked against the manifest's checksums (no running server held it)"
+                    bad = f"chunk {chunk} (rows from {chunk * self.spec.chunk_rows})"
+                    m.close()
+            finally:
+                os.close(fd)
+            logger.warning("engram layer %d: %s does not match the table's manifest (%s): removing it and filling "
+                           "it again", self.spec.layer_id, path, bad)
+            path.unlink()
+        return self._fill(fill, advise), "filled"
+
+    def _fill(self, fill, advise) -> mmap.mmap:
+        path, nbytes = self.path, self.nbytes
+        tmp = Path(f"{path}.tmp.{os.getpid()}")
+        fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
+                raise
+            writable = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                advise(writable)  # huge pages are handed out as the fill faults them in
+                progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes)
+                fill(writable, progress)
+                progress.done()
+            finally:
+                writable.close()
+            os.rename(tmp, path)  # complete: only now can another rank find it
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        fd = _open(path, self._flags)
+        try:
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=self._prot)
+        finally:
+            os.close(fd)
+        advise(m)
+        return m
+
+    def release(self) -> None:
+        """Drop this hold (the caller has closed `map`, or left it to its last view); the last
+        holder removes the copy and its sidecars unless the spec keeps it."""
+        with _OPEN_LOCK:
+            if self not in _OPEN:
+                return
+            _OPEN.discard(self)
+        lock_fd = lock(self.path)
+        try:
+            # Under the lock no other server is opening or leaving: exclusive means nobody else holds it.
+            last = _try_exclusive(self._users)
+            lock_path, users_path = sidecars(self.path)
+            if last and not self.spec.keep and _same_file(self._users, users_path):
+                try:
+                    st = os.lstat(self.path)
+                    if (st.st_ino, st.st_dev) == self._ident:  # not a newer copy made after an `shm rm --force`
+                        self.path.unlink()
+                        logger.info("engram layer %d: removed the shared copy %s (no server holds it)",
+                                    self.spec.layer_id, self.path)
+                except FileNotFoundError:
+                    pass
+                users_path.unlink(missing_ok=True)
+                lock_path.unlink(missing_ok=True)  # while held: see lock()
+        finally:
+            os.close(self._users)
+            os.close(lock_fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    with _OPEN_LOCK:
+        held = list(_OPEN)
+    for copy in held:
+        try:
+            copy.release()
+        except Exception:  # noqa: BLE001 - at exit: the next server's start reclaims what is left
+            logger.exception("engram: releasing %s at exit failed", copy.path)
+
+
+# ------------------------------------------------------------------ engram-sglang shm
+def holders(path: Path) -> Optional[list[int]]:
+    """PIDs holding a copy (its `.users` flocks, from /proc/locks); None when that is unknown."""
+    users = sidecars(path)[1]
+    try:
+        st = os.lstat(users)
+    except FileNotFoundError:
+        return []
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in text.splitlines():
+        f = line.split()
+        if "->" in f:  # a waiter, not a holder
+            continue
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev:
+            pids.append(int(f[4]))
+    return sorted(set(pids))
+
+
+def list_copies(directory: Path) -> list[dict]:
+    """The shared copies in `directory` and the leftovers of fills, for `engram-sglang shm ls`."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        m, t = NAME.match(name), _TMP.match(name)
+        if m is None and t is None:
+            continue
+        p = directory / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        entry = {"name": name, "bytes": st.st_size, "regular": stat.S_ISREG(st.st_mode)}
+        if m is not None:
+            entry.update(identity=m.group(1), layer=int(m.group(2)), holders=holders(p))
+        else:
+            pid = int(t.group(2))
+            entry.update(identity=NAME.match(t.group(1)).group(1), layer=int(NAME.match(t.group(1)).group(2)),
+                         filler=pid, filler_alive=_pid_alive(pid))
+        out.append(entry)
+    return out
+
+
+def remove_copy(directory: Path, name: str, force: bool = False) -> int:
+    """Remove a copy (and its sidecars) or a fill's leftover by name; bytes freed. A copy a
+    running server holds is refused unless `force` (that server keeps its mapping: the memory
+    is freed when it exits)."""
+    if Path(name).name != name or not (NAME.match(name) or _TMP.match(name)):
+        raise EngramError(f"{name}: not the name of a shared copy (engram-IDENTITY-layerL.rows, as `shm ls` lists)")
+    path = directory / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise EngramError(f"{path}: no such shared copy") from None
+    t = _TMP.match(name)
+    if t is not None:
+        pid = int(t.group(2))
+        if _pid_alive(pid) and not force:
+            raise EngramError(f"{path}: process {pid}, which may still be filling it, is alive; pass --force to remove it")
+        path.unlink()
+        return st.st_size
+    lock_fd = lock(path)
+    try:
+        users = None
+        try:
+            users = _open(sidecars(path)[1], os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        try:
+            if users is not None and not _try_exclusive(users) and not force:
+                who = holders(path)
+                pids = f" (processes {', '.join(map(str, who))})" if who else ""
+                raise EngramError(f"{path}: in use by a running server{pids}; stop it first, or pass --force")
+        finally:
+            if users is not None:
+                os.close(users)
+        path.unlink()
+        sidecars(path)[1].unlink(missing_ok=True)
+        sidecars(path)[0].unlink(missing_ok=True)
+    finally:
+        os.close(lock_fd)
+    return st.st_size
