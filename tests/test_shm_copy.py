@@ -221,3 +221,11 @@ def test_shm_ls_and_rm(tables, tmp_path, capsys):
     store.close()
     assert main(["shm", "rm", "--shm-dir", str(tmp_path), copy.name]) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_keep_setting_reaches_the_store_options():
+    from engram_sglang.serving.settings import ServeSettings
+
+    env = {"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "on"}
+    assert ServeSettings.from_env({**env, "ENGRAM_HOST_KEEP": "on"}).store_options()["keep"] is True
+    assert "keep" not in ServeSettings.from_env(env).store_options()  # off: open_store's default

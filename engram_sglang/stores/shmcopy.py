@@ -304,8 +304,10 @@ class SharedCopy:
                     advise(m)
                     if in_use:  # checked or filled by the running server that holds it
                         return m, "mapped (in use by a running server)"
-                    chunk = verify(m, self.spec, _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes))
+                    progress = _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes)
+                    chunk = verify(m, self.spec, progress)
                     if chunk is None:
+                        progress.done()
                         return m, "checked against the manifest's checksums (no running server held it)"
                     bad = f"chunk {chunk} (rows from {chunk * self.spec.chunk_rows})"
                     m.close()
