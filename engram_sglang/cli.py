@@ -82,7 +82,15 @@ def _cmd_shm_rm(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.workdir, placement=args.placement)
+    return run_demo(args.workdir, placements=args.placements)
+
+
+def _demo_placements(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in ("device", "host", "disk")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"placements are device, host, disk (comma-separated), got {text!r}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
     p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")
-    p.add_argument("--placement", default="disk", choices=("device", "host", "disk"),
-                   help="where the served demo model's tables live (default: disk)")
+    p.add_argument("--placements", default="disk,host,device", type=_demo_placements,
+                   help="comma-separated placements to serve the demo model's tables from, one server each, "
+                        "the first one compared with Engram off (default: disk,host,device)")
     p.set_defaults(func=_cmd_demo)
 
     from .demo_model import add_parser as add_demo_model_parser

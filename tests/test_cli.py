@@ -70,18 +70,25 @@ def test_sglang_plugin_entry_point_is_registered():
 
 @pytest.mark.slow
 def test_demo_runs(tmp_path, capsys):
-    """`make demo`: builds the demo model, serves it with real SGLang (tables on disk),
-    prints completions and table statistics, agrees with the reference, stops the server."""
+    """`make demo` with two placements (it serves three): builds the demo model, serves it
+    with real SGLang (tables on disk, in host memory, and with Engram off), all prompts at
+    once, prints tokens/s and per-step costs, Engram on vs off, agrees with the reference,
+    stops the servers."""
     import os
+    import re
 
-    assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    assert main(["demo", "--workdir", str(tmp_path), "--placements", "disk,host"]) == 0
     out = capsys.readouterr().out
     assert "total 188.83 GiB" in out and "TP4 47.21" in out
-    assert "Engram tables placement disk" in out and "server stopped" in out
-    assert "'def __init__(self' -> " in out
-    assert "layer 1: disk," in out and "layer 3: disk," in out
-    assert "PyTorch reference forward gives the same tokens for 6 of 6 prompts" in out
-    assert "with Engram switched off 6 of 6 completions change" in out
+    assert "Engram tables placement disk, host, and once with Engram off" in out and "servers stopped" in out
+    assert "8 prompts served at once, 32 new tokens each" in out
+    for name in ("disk", "host", r"off \(device\)"):  # tokens/s, step, Engram, wait, gather, layer, load
+        assert re.search(rf"^ +{name}" + r" +[\d.]+" * 7 + "$", out, re.M), name
+    assert "every placement served the same tokens: yes" in out
+    assert "the PyTorch reference forward gives the same tokens for 8 of 8 prompts" in out
+    # What Engram adds: with it the completions follow the corpus far more often than without.
+    on, off = map(int, re.search(r"tokens equal to the chain: on (\d+) of 256, off (\d+) of 256", out).groups())
+    assert on > 2 * off + 32, (on, off)
     # Nothing of the server is left: no process still runs from the demo's model directory.
     model = str(tmp_path / "model")
     for pid in filter(str.isdigit, os.listdir("/proc")):
