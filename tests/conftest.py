@@ -51,6 +51,27 @@ def small_config(compressed_vocab_size: int, **overrides) -> EngramConfig:
     return EngramConfig(**fields)
 
 
+def random_rows(cfg: EngramConfig) -> dict:
+    """Random packed rows for every Engram layer of `cfg` (layer id -> uint8 [rows, ROW_BYTES]
+    numpy), from a fresh seed each run, printed so that a failure can be replayed."""
+    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.rowformat import ROW_BYTES
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random table seed {seed}", file=sys.stderr)
+    gen, layout = torch.Generator().manual_seed(seed), EngramLayout(cfg)
+    return {L: torch.randint(0, 256, (layout.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
+            for L in cfg.layer_ids}
+
+
+def random_table_dir(parent, cfg: EngramConfig) -> tuple:
+    """(a table directory of random rows for `cfg` written under `parent`, its rows)."""
+    from engram_sglang.tablefile import write_tables
+
+    rows = random_rows(cfg)
+    return write_tables(parent / "t", cfg, rows, progress=False), rows
+
+
 @pytest.fixture
 def rng():
     """Fresh random inputs every run; the seed is printed so a failure can be replayed."""

@@ -4,18 +4,17 @@ the CUDA paths (UVA misses, graph capture of the lookup) are not exercised here.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from conftest import small_config
+from conftest import random_rows, small_config
 from engram_sglang import rowformat
 from engram_sglang.errors import EngramError
 from engram_sglang.hashing import EngramLayout
-from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.stores import maintenance, open_store
 from engram_sglang.stores.cache import HotRowCache, RowDirectory, plan_slots, wrap_stores
 from engram_sglang.tablefile import write_tables
@@ -30,9 +29,7 @@ ROWS = LAYOUT.rows(LAYER)
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows = {L: torch.randint(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-            for L in CFG.layer_ids}
+    rows = random_rows(CFG)
     for r in range(256):  # every fp8 code against every scale byte, in rows the traffic reads often
         rows[LAYER][r, :256] = np.roll(np.arange(256, dtype=np.uint8), r)
         rows[LAYER][r, 256:] = r
@@ -50,7 +47,7 @@ def reference(rows: np.ndarray, ids: torch.Tensor, lo: int = 0, hi: int = ROWS) 
     idx = ids.reshape(-1).long()
     out = rowformat.dequantize(torch.from_numpy(rows[idx.clamp(0, rows.shape[0] - 1).numpy()]))
     out[(idx < lo) | (idx >= hi)] = 0
-    return out.view(*ids.shape, 256)
+    return out.view(*ids.shape, ROW_VALUES)
 
 
 def open_cached(table_dir, placement, cache_bytes=64 * 1024, tmp_path=None, **kw):
@@ -72,7 +69,7 @@ def test_cached_reads_are_bit_exact_and_hit(tables, rng, placement, dtype):
         for call in range(12):
             ids = skewed_ids(rng, (83, 24)).to(dtype)
             before = cache.directory.find(ids.reshape(-1).long())[0].sum().item()
-            out = None if call % 3 else torch.empty(83, 24, 256, dtype=torch.bfloat16)
+            out = None if call % 3 else torch.empty(83, 24, ROW_VALUES, dtype=torch.bfloat16)
             got = cache.gather(ids, out=out)
             maintenance.between_steps()  # as the serving layer does after each forward step
             assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[LAYER], ids))), f"call {call}"

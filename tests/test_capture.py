@@ -18,7 +18,6 @@ What needs a GPU (a real torch.cuda.CUDAGraph capture and replay) runs in bench/
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -26,14 +25,13 @@ import torch
 from prometheus_client import REGISTRY, Counter
 
 from capture import CaptureViolation, HostSync, capture
-from conftest import small_config
+from conftest import random_table_dir, small_config
 from engram_sglang import rowformat
 from engram_sglang.errors import EngramError
 from engram_sglang.hashing import EngramLayout
-from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.stores import maintenance, open_store
 from engram_sglang.stores.cache import HotRowCache
-from engram_sglang.tablefile import write_tables
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -105,14 +103,11 @@ def test_fixed_shape_device_work_passes_and_leaves_the_real_tensors_alone():
 # ------------------------------------------------------------------ tables
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows = {L: torch.randint(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-            for L in CFG.layer_ids}
-    return write_tables(tmp_path_factory.mktemp("tables") / "t", CFG, rows, progress=False), rows
+    return random_table_dir(tmp_path_factory.mktemp("tables"), CFG)
 
 
 def reference(rows: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
-    return rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).numpy()])).view(*ids.shape, 256)
+    return rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).numpy()])).view(*ids.shape, ROW_VALUES)
 
 
 def skewed(gen: torch.Generator, shape, universe: int = ROWS) -> torch.Tensor:

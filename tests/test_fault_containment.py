@@ -11,24 +11,22 @@ requests aborted with an error finish reason naming the table and errno).
 from __future__ import annotations
 
 import errno
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import random_table_dir, small_config
 from fake_streams import RecordingStreams
 from engram_sglang import rowformat
 from engram_sglang.hashing import EngramLayout, NgramHasher
-from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.serving import faults
 from engram_sglang.serving.runtime import EngramRuntime
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.stores import open_store, rowio
 from engram_sglang.stores.base import TableIOError, TableReadFault
-from engram_sglang.tablefile import write_tables
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -36,10 +34,7 @@ LAYOUT = EngramLayout(CFG)
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows = {L: torch.randint(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-            for L in CFG.layer_ids}
-    return write_tables(tmp_path_factory.mktemp("tables") / "t", CFG, rows, progress=False), rows
+    return random_table_dir(tmp_path_factory.mktemp("tables"), CFG)
 
 
 @pytest.fixture
@@ -71,7 +66,7 @@ def broken(monkeypatch):
 
 
 def reference(rows: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
-    return bf16_bits(rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).numpy()])).view(*ids.shape, 256))
+    return bf16_bits(rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).numpy()])).view(*ids.shape, ROW_VALUES))
 
 
 OPTIONS = [{}, {"direct": True, "threads": 4}, {"direct": True, "threads": 4, "dram_cache_bytes": 1 << 20}]

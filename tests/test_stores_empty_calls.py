@@ -6,18 +6,16 @@ Tested through TableStore (open_store), so it holds whatever the disk tier's rea
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import random_table_dir, small_config
 from engram_sglang.hashing import EngramLayout
 from engram_sglang.ops import gather_dequant
 from engram_sglang.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.stores import open_store
-from engram_sglang.tablefile import write_tables
 
 CFG = small_config(300)
 LAYOUT = EngramLayout(CFG)
@@ -36,10 +34,7 @@ PLACEMENTS = [
 
 @pytest.fixture(scope="module")
 def table_dir(tmp_path_factory):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    tables = {L: torch.randint(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-              for L in CFG.layer_ids}
-    return write_tables(tmp_path_factory.mktemp("tables") / "t", CFG, tables, progress=False), tables
+    return random_table_dir(tmp_path_factory.mktemp("tables"), CFG)
 
 
 def _zeros(shape) -> torch.Tensor:

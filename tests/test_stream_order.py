@@ -9,19 +9,18 @@ a GPU can show (real streams, real capture) is `make gpu-check`'s.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import random_rows, small_config
 from fake_streams import RecordingStreams
 from engram_sglang import rowformat
 from engram_sglang.errors import EngramError
 from engram_sglang.hashing import EngramLayout, NgramHasher
-from engram_sglang.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.serving.runtime import EngramRuntime
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.stores import Prefetch, open_store
@@ -39,9 +38,7 @@ DISK = [
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows = {L: torch.randint(0, 256, (LAYOUT.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-            for L in CFG.layer_ids}
+    rows = random_rows(CFG)
     for L in CFG.layer_ids:  # edge codes: fp8 NaNs, scale bytes 0 and 0xFF, first and last row
         rows[L][0, :256], rows[L][0, 256:] = 0x7F, 0
         rows[L][-1, :256], rows[L][-1, 256:] = 0xFF, 0xFF
@@ -54,7 +51,7 @@ def expected(rows: np.ndarray, ids: torch.Tensor, lo: int = 0, hi: int | None = 
     live = (flat >= lo) & (flat < hi)
     out = rowformat.dequantize(torch.from_numpy(rows[flat.clamp(0, rows.shape[0] - 1).numpy()]))
     out[~live] = 0
-    return bf16_bits(out.view(*ids.shape, 256))
+    return bf16_bits(out.view(*ids.shape, ROW_VALUES))
 
 
 def step_ids(gen: torch.Generator, rows: int, n: int) -> torch.Tensor:
@@ -250,7 +247,7 @@ def test_runtime_begin_rows_end_pass_the_capture_fixture(tables, rng, prefetch):
         with capture(runtime, *runtime.stores.values()) as cap:
             step = runtime.begin(*(cap.fake(a) for a in args[:4]), "decode")
             for L in CFG.layer_ids:
-                assert runtime.rows(step, L).shape == (8, hash_ids.shape[2], 256)
+                assert runtime.rows(step, L).shape == (8, hash_ids.shape[2], ROW_VALUES)
             runtime.end(step, 0.0, 0.0, 2)
         maintenance.between_steps()
         for i, L in enumerate(CFG.layer_ids):
