@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from .config import PLACEMENTS
 from .errors import EngramError
-from .planning.data import (  # noqa: F401  (re-exported)
+from .planning.data import (
     GIB,
     MAX_GIB,
     MAX_HEADS,
@@ -43,7 +43,7 @@ from .planning.data import (  # noqa: F401  (re-exported)
     load_facts,
     load_gpus,
 )
-from .planning.model import (  # noqa: F401  (re-exported)
+from .planning.model import (
     CACHE_LINE,
     DECODE_BATCH,
     HOST_LAYOUTS,
@@ -60,7 +60,45 @@ from .planning.model import (  # noqa: F401  (re-exported)
     sglang_reserve_bytes,
     valid_tps,
 )
-from .planning.report import format_text  # noqa: F401  (re-exported)
+from .planning.report import format_text
+
+# The planning package's names, re-exported, and this module's command line.
+__all__ = [
+    "GIB",
+    "MAX_GIB",
+    "MAX_HEADS",
+    "MAX_KV_BYTES",
+    "MAX_TOKENS",
+    "MAX_TP",
+    "GpuSku",
+    "ModelFacts",
+    "PlannerError",
+    "bounded",
+    "gpu_sku",
+    "gpus_file",
+    "load_facts",
+    "load_gpus",
+    "CACHE_LINE",
+    "DECODE_BATCH",
+    "HOST_LAYOUTS",
+    "PLACEMENTS",
+    "PREFILL_CHUNK",
+    "SGLANG_CHUNKED_PREFILL",
+    "SGLANG_DECODE_GRAPH_BS",
+    "SGLANG_SHM_GIB",
+    "Planner",
+    "PlanInputs",
+    "lines_per_row",
+    "plan",
+    "row_bytes",
+    "shard_bytes",
+    "sglang_reserve_bytes",
+    "valid_tps",
+    "format_text",
+    "add_parser",
+    "cmd_plan",
+    "main",
+]
 
 
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from .data import (
 HOST_LAYOUTS = ("shared", "per_rank")
 
 # Batches the host-link estimate is quoted for: a decode step of 256 requests and one
-# prefill chunk of 8192 tokens (DESIGN.md performance model).
+# prefill chunk of 8192 tokens, the shapes docs/measurements.md section 4 measures.
 DECODE_BATCH = 256
 PREFILL_CHUNK = 8192
 CACHE_LINE = 64
