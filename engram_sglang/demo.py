@@ -97,8 +97,8 @@ def run_demo(workdir: str | os.PathLike = "build/demo", placements: Sequence[str
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     chosen = recall_prompts(tokenizer, demo_corpus(), n_prompts, max_new_tokens)
     prompts = [c.prompt for c in chosen]
-    print(f"\n{len(prompts)} prompts from the corpus the tables were built from, where its own greedy 4-gram chain "
-          f"runs {max_new_tokens} tokens without a tie or a loop (engram_sglang/demo_prompts.py)")
+    print(f"\n{len(prompts)} prompts from the corpus the tables were built from, where its own n-gram chain "
+          f"runs {max_new_tokens} tokens, a clear winner at every step and no loop (engram_sglang/demo_prompts.py)")
     print(f"serving them with sglang.launch_server, Engram tables placement {', '.join(placements)}, and once with "
           f"Engram off (value projection zeroed: {off_dir}) ...")
     runs = serve_all(model_dir, off_dir, placements, prompts, max_new_tokens, workdir)
@@ -120,7 +120,7 @@ def run_demo(workdir: str | os.PathLike = "build/demo", placements: Sequence[str
         return logp.gather(-1, torch.tensor(source).unsqueeze(-1)).mean().item()
 
     print(f"\nEngram on ({on.name}) vs off, same prompts; [n/{max_new_tokens}]: completion tokens equal to the "
-          f"corpus's 4-gram chain")
+          f"corpus's n-gram chain")
     match_on = match_off = 0
     for c, mine, theirs in zip(chosen, on.completions, off.completions):
         a = sum(x == y for x, y in zip(mine, c.source))
