@@ -87,8 +87,13 @@ def run(target: str, out_root: Path, *, runs: Optional[int] = None, seconds: Opt
     try:
         with open(log, "wb") as f:
             # stdin closed: a parser that reads a stray /dev/stdin must not wait on a terminal.
-            rc = subprocess.run(command(target, out, runs=runs, seconds=seconds, seed=seed), stdin=subprocess.DEVNULL,
-                                stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            # Through a small shell that forks the harness: Linux hands a process its parent's
+            # peak RSS at exec (ru_maxrss), and libFuzzer's RSS limit reads that peak, so a
+            # harness started straight from a big process (pytest late in `make test`) would
+            # be "out of memory" before its first input. A grandchild starts from the shell's.
+            rc = subprocess.run(["/bin/sh", "-c", '"$@"; exit $?', "sh",
+                                 *command(target, out, runs=runs, seconds=seconds, seed=seed)],
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
