@@ -50,7 +50,7 @@ def _shm_dir(args):
 
 
 def _cmd_shm_ls(args) -> int:
-    from .stores.shmcopy import list_copies
+    from .stores.shmadmin import list_copies
 
     d = _shm_dir(args)
     entries = list_copies(d)
@@ -70,7 +70,7 @@ def _cmd_shm_ls(args) -> int:
 
 
 def _cmd_shm_rm(args) -> int:
-    from .stores.shmcopy import remove_copy
+    from .stores.shmadmin import remove_copy
 
     d = _shm_dir(args)
     for name in args.names:
