@@ -38,21 +38,14 @@ EMULATED = {"host-fnuz": 1, "device-soft": 2, "device-fnuz": 3}
 # ------------------------------------------------------------------ oracle
 @functools.lru_cache(maxsize=1)
 def oracle_lut() -> torch.Tensor:
-    """int16 bf16 bits [scale byte, fp8 byte] for all 65536 pairs, from the definitions."""
-    b = np.arange(256)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    e, m = (b >> 3) & 0xF, b & 0x7
-    value = sign * np.where(e == 0, m / 8.0 * 2.0**-6, (1.0 + m / 8.0) * 2.0 ** (e - 7.0))
-    value[(b & 0x7F) == 0x7F] = np.nan
-    scale = 2.0 ** (np.arange(256) - 127.0)
-    scale[255] = np.nan
-    with np.errstate(over="ignore", invalid="ignore"):
-        prod = (scale[:, None] * value[None, :]).astype(np.float32)  # exact, or +-inf
-    bf = torch.from_numpy(prod).to(torch.bfloat16)  # torch's round-to-nearest-even
-    bits = bf.view(torch.int16).clone()
-    bits[torch.isnan(bf)] = 0x7FC0
-    bits[bits == -32768] = 0
-    return bits
+    """int16 bf16 bits [scale byte, fp8 byte] for all 65536 pairs, from the definitions: the
+    one oracle, shared with the GPU check (bench/gpu_check_ctx.py stands alone on a lent GPU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from gpu_check_ctx import oracle_lut as lut
+    finally:
+        sys.path.pop(0)
+    return lut(torch)
 
 
 def expected_bits(table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
