@@ -178,14 +178,17 @@ class TableStore(ABC):
         if ids.device.type == "cpu" and ids.numel() and not maintenance.capturing():
             # Device ids are not checked here (a host sync), nor inside a capture; the
             # kernels read out-of-range ids as zero rows, never out-of-bounds memory.
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.rows:
-                bad = lo if lo < 0 else hi
-                raise EngramError(f"layer {self.layer_id}: row id {bad} is outside the table's {self.rows} rows")
+            self._check_ids(int(ids.min()), int(ids.max()))
         t0 = time.perf_counter()
         result, unique = self._gather(ids, out)
         self._account(ids.numel(), time.perf_counter() - t0, unique)
         return result
+
+    def _check_ids(self, lo: int, hi: int) -> None:
+        """Ids read on the host must lie in the table: [lo, hi] are their min and max."""
+        if lo < 0 or hi >= self.rows:
+            raise EngramError(f"layer {self.layer_id}: row id {lo if lo < 0 else hi} is outside the table's "
+                              f"{self.rows} rows")
 
     def prefetch(self, ids: torch.Tensor) -> Prefetch:
         """Start a gather now; the consumer calls `.wait()` where it needs the rows (or

@@ -162,9 +162,8 @@ class DiskStore(TableStore):
                 self._streams.synchronize_event(ready)  # the ids' copy has landed
             slot.wait_free()  # the GPU no longer copies out of this slot's buffers
             flat = host_ids.numpy()
-            if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
-                bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
-                raise EngramError(f"layer {self.layer_id}: row id {bad} is outside the table's {self.rows} rows")
+            if flat.size:
+                self._check_ids(int(flat.min()), int(flat.max()))
             local = slot.buffer("local", (flat.shape[0],), torch.int64)
             wanted, _ = self._plan(flat, local_out=local.numpy())
             # One row at least: a table of no rows has no valid strides (every id is out of range then).
