@@ -97,32 +97,42 @@ class EngramLayer(nn.Module):
         return (self.kernel_size - 1) * self.dilation
 
     # ------------------------------------------------------------------ the pieces
+    def gate(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """a_t, float32 [T]: how far the token's retrieved rows open (`engram-sglang scan` reads it)."""
+        e = rows.reshape(rows.shape[0], self.n_columns * self.head_dim).float()
+        k = F.linear(e, self.key_proj.weight.float())
+        dot = (rms_norm(h, self.norm_h.weight, self.eps) * rms_norm(k, self.norm_k.weight, self.eps)).sum(-1)
+        return torch.sigmoid(signed_sqrt(dot / math.sqrt(self.hidden_size)))
+
     def gated_value(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """value_t = a_t * W_V e_t, float32 [T, D]; h [T, D], rows [T, C, head_dim]."""
         e = rows.reshape(rows.shape[0], self.n_columns * self.head_dim).float()
-        k = F.linear(e, self.key_proj.weight.float())
         v = F.linear(e, self.value_proj.weight.float())
-        dot = (rms_norm(h, self.norm_h.weight, self.eps) * rms_norm(k, self.norm_k.weight, self.eps)).sum(-1)
-        gate = torch.sigmoid(signed_sqrt(dot / math.sqrt(self.hidden_size)))
-        return gate.unsqueeze(-1) * v
+        return self.gate(h, rows).unsqueeze(-1) * v
 
-    def conv_input(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x_t = RMSNorm_v(value_t), rounded to `dtype` (what a serving engine stores per token)."""
-        return rms_norm(value, self.norm_v.weight, self.eps).to(dtype)
+    def conv_input(self, value: torch.Tensor, dtype: torch.dtype, on: torch.Tensor | None = None) -> torch.Tensor:
+        """x_t = RMSNorm_v(value_t), rounded to `dtype` (what a serving engine stores per token);
+        0 for a token with Engram off (`on` bool [T], None: every token on)."""
+        x = rms_norm(value, self.norm_v.weight, self.eps).to(dtype)
+        return x if on is None else x.masked_fill(~on.unsqueeze(-1), 0)
 
-    def finish(self, value: torch.Tensor, window: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, value: torch.Tensor, window: torch.Tensor, dtype: torch.dtype,
+               on: torch.Tensor | None = None) -> torch.Tensor:
         """out_t = value_t + SiLU(conv); window [T, kernel, D] holds x at t - (K-1-j)*dilation
-        in slot j (oldest first, the token itself last; zeros before the sequence start)."""
+        in slot j (oldest first, the token itself last; zeros before the sequence start).
+        Exactly 0 for a token with Engram off (`on` bool [T], None: every token on)."""
         w = self.conv.weight.float().squeeze(1).t()  # [kernel, D]
         y = (window.float() * w).sum(1)
-        return (value + F.silu(y)).to(dtype)
+        out = (value + F.silu(y)).to(dtype)
+        return out if on is None else out.masked_fill(~on.unsqueeze(-1), 0)
 
     # ---------------------------------------------------------- one whole sequence
-    def forward(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The Engram output (to add to h) of one sequence: h [T, D], rows [T, C, head_dim]."""
+    def forward(self, h: torch.Tensor, rows: torch.Tensor, on: torch.Tensor | None = None) -> torch.Tensor:
+        """The Engram output (to add to h) of one sequence: h [T, D], rows [T, C, head_dim];
+        `on` bool [T] switches Engram off for some tokens (serving/modes.py), None: all on."""
         value = self.gated_value(h, rows)
-        x = self.conv_input(value, h.dtype)
-        return self.finish(value, self.sequence_window(x), h.dtype)
+        x = self.conv_input(value, h.dtype, on)
+        return self.finish(value, self.sequence_window(x), h.dtype, on)
 
     def sequence_window(self, x: torch.Tensor) -> torch.Tensor:
         """[T, kernel, D] conv windows of one sequence's conv inputs x [T, D]."""

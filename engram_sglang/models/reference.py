@@ -7,6 +7,10 @@ with `rowformat.dequantize` (the codec's reference), then runs a textbook Qwen3 
 with the Engram layer (engram_sglang.layer) added to the residual stream before the
 attention of each Engram layer. Weight names are Hugging Face Qwen3's plus
 `model.layers.{L}.engram.*`.
+
+Engram off for a token (an Engram mode, serving/modes.py) is defined here: the token reads
+no rows (its rows are +0.0), its Engram layers add exactly 0 to the residual stream, and its
+short-conv input is 0 for the tokens after it.
 """
 
 from __future__ import annotations
@@ -91,13 +95,17 @@ class ReferenceModel:
     def _w(self, name: str) -> torch.Tensor:
         return self.weights[name]
 
-    def rows(self, hash_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """bf16 rows [T, C, 256] of every Engram layer, read from the table files."""
+    def rows(self, hash_ids: torch.Tensor, on: Optional[torch.Tensor] = None) -> dict[int, torch.Tensor]:
+        """bf16 rows [T, C, 256] of every Engram layer, read from the table files; a token
+        with Engram off (`on` bool [T]) reads nothing and gets +0.0 rows."""
         out = {}
+        keep = torch.arange(hash_ids.shape[0]) if on is None else on.nonzero().squeeze(1)
         for i, layer_id in enumerate(self.engram.layer_ids):
-            ids = hash_ids[:, i].reshape(-1).numpy()
+            ids = hash_ids[keep, i].reshape(-1).numpy()
             packed = torch.from_numpy(self.tables[layer_id][ids])
-            out[layer_id] = dequantize(packed).view(*hash_ids[:, i].shape, -1)
+            rows = torch.zeros(*hash_ids[:, i].shape, self.engram.head_dim, dtype=torch.bfloat16)
+            rows[keep] = dequantize(packed).view(keep.numel(), hash_ids.shape[2], -1)
+            out[layer_id] = rows
         return out
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -133,30 +141,40 @@ class ReferenceModel:
 
     # ---------------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, tokens: Sequence[int]) -> Step:
-        """Logits and Engram lookups of every position of one sequence."""
+    def forward(self, tokens: Sequence[int], engram_on: Optional[Sequence[bool]] = None) -> Step:
+        """Logits and Engram lookups of every position of one sequence; `engram_on`: per
+        position whether Engram is on (None: everywhere; serving/modes.py `mask_for`)."""
         ids = torch.as_tensor(list(tokens), dtype=torch.int64)
         positions = torch.arange(ids.numel())
+        on = None if engram_on is None else torch.as_tensor(list(engram_on), dtype=torch.bool)
+        if on is not None and on.shape != ids.shape:
+            raise ValueError(f"engram_on has {on.numel()} entries for {ids.numel()} tokens")
         hash_ids = self.hasher.hash_sequence(ids)
-        rows = self.rows(hash_ids)
+        rows = self.rows(hash_ids, on)
         checksums = torch.stack([row_checksums(rows[L]) for L in self.engram.layer_ids], dim=1)
         h = self._w("model.embed_tokens.weight")[ids]
         for i in range(self.n_layers):
             if i in self.layers:
-                h = h + self.layers[i](h, rows[i]) * self.engram_scale
+                h = h + self.layers[i](h, rows[i], on) * self.engram_scale
             h = h + self._attention(self._norm(h, f"model.layers.{i}.input_layernorm.weight"), i, positions)
             h = h + self._mlp(self._norm(h, f"model.layers.{i}.post_attention_layernorm.weight"), i)
         h = self._norm(h, "model.norm.weight")
         head = self.weights.get("lm_head.weight", self._w("model.embed_tokens.weight"))
         return Step(hash_ids, checksums, F.linear(h, head).float())
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], Step]:
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, mode=None) -> tuple[list[int], Step]:
         """Greedy completion (no stop tokens); returns the new tokens and the lookups of
-        the whole final sequence (prompt + completion minus the last token)."""
+        the whole final sequence (prompt + completion minus the last token). `mode`: an
+        Engram mode (serving.modes.Mode, or a request's custom_params value), None: on."""
+        from ..serving.modes import Mode, mask_for, parse_mode
+
+        if mode is not None and not isinstance(mode, Mode):
+            mode = parse_mode(mode)
         tokens = list(prompt)
         step = None
         for _ in range(max_new_tokens):
-            step = self.forward(tokens)
+            on = None if mode is None else mask_for(mode, len(prompt), len(tokens))
+            step = self.forward(tokens, on)
             tokens.append(int(step.logits[-1].argmax()))
         return tokens[len(prompt):], step
 

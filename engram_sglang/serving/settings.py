@@ -59,6 +59,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("cache-profile", "str", None, "pre-warm the hot-row cache from this `engram-sglang profile` file"),
     Knob("prefetch", "bool", True, "gather every Engram layer's rows at the start of the step (off: gather "
          "inside each Engram layer)"),
+    Knob("mode", "choice", "on", "which tokens use Engram: on, off, prefill (prompt positions), decode (generated "
+         "positions); see docs/engram.md", ("on", "off", "prefill", "decode")),
+    Knob("ablation", "bool", False, "take a per-request Engram mode in sampling_params.custom_params[\"engram\"] "
+         "(else such a request gets HTTP 400)"),
     Knob("trace", "str", None, "append one JSON line per step (hash ids and row checksums per token) to this file"),
     Knob("stats-file", "str", None, "keep table statistics (JSON) up to date in this file"),
     Knob("debug", "list", (), "negative controls for tests only: corrupt-history, skip-wait", DEBUG_KNOBS),
@@ -81,6 +85,8 @@ class ServeSettings:
     cache_mib: int = 0
     cache_profile: Optional[str] = None
     prefetch: bool = True
+    mode: str = "on"
+    ablation: bool = False
     trace: Optional[str] = None
     stats_file: Optional[str] = None
     debug: tuple[str, ...] = ()
