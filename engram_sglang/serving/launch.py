@@ -113,11 +113,22 @@ class Server:
         return f"sglang exited during start-up: {tail.strip()} (log: {self.log_path})"
 
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM the whole process group, then SIGKILL what is left."""
+        """Stop as an operator's SIGTERM does, then make sure nothing is left.
+
+        SIGTERM goes to SGLang's main process first: it drains the requests and tells its
+        schedulers to exit, so their exit work runs (the last server to leave removes the
+        node's shared host copy, stores/shmcopy.py). A SIGTERM to the whole group at once
+        kills the schedulers before they release anything. What is still alive after
+        `timeout` gets SIGTERM, then SIGKILL, as a group."""
         if self.proc is None:
             return
         pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+        self.proc.send_signal(signal.SIGTERM)  # a no-op once the process has been reaped
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.proc.poll()
+            time.sleep(0.2)
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
