@@ -6,8 +6,9 @@ each layer in `engram_layer_ids`. Weights load from safetensors (Hugging Face Qw
 plus `model.layers.{L}.engram.*`); tables come from the packed table directory through a
 TableStore in the configured placement (`--engram-placement`, `--engram-table-dir`).
 
-Per step: hash every token (StepHasher, with SGLang's per-request history), issue every
-Engram layer's gather at once, run the layers; each Engram layer waits on its own rows.
+Per step: the runtime hashes every token (its StepHasher, with SGLang's per-request
+history) and issues every Engram layer's gather at once (`begin_step`); each Engram layer
+then asks the runtime for its rows (`rows`), waiting on its own gather.
 The short conv reaches 12 tokens back: its inputs are kept per KV-cache slot
 (`ServingEngramLayer`), so prefix-cache hits, chunked prefill and retraction read the same
 predecessors as one pass over the whole sequence. That state is counted in the KV pool's
@@ -151,7 +152,6 @@ class Qwen3EngramForCausalLM(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__()
-        from ..serving.history import StepHasher
         from ..serving.settings import ServeSettings
 
         self.config = config
@@ -173,8 +173,9 @@ class Qwen3EngramForCausalLM(nn.Module):
                                           prefix=add_prefix("lm_head", prefix))
         self.logits_processor = LogitsProcessor(config)
         self.runtime = _build_runtime(self.engram_config, self.settings)
-        # An upstream EngramHasher subclass: SGLang's scheduler then keeps its history.
-        self.engram_hasher = StepHasher(self.runtime.hasher, corrupt_history="corrupt-history" in self.settings.debug)
+        # The runtime's step hasher, an upstream EngramHasher subclass, as a submodule: SGLang's
+        # scheduler finds it there and keeps its per-request history.
+        self.engram_hasher = self.runtime.step_hasher
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -211,8 +212,8 @@ class Qwen3EngramForCausalLM(nn.Module):
                 input_embeds: Optional[torch.Tensor] = None, get_embedding: bool = False, pp_proxy_tensors=None):
         if get_embedding:
             raise EngramError("Qwen3EngramForCausalLM is a generation model (no embedding mode)")
-        hash_ids, token_req, mode = self.engram_hasher(input_ids, forward_batch)
-        step = self.runtime.begin(hash_ids, token_req, positions, input_ids, mode)
+        step = self.runtime.begin_step(input_ids, positions, forward_batch)
+        token_req = step.token_req
         h = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         engram_seconds = layer_seconds = 0.0
         layer_calls = 0

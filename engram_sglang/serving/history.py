@@ -38,8 +38,9 @@ class StepHasher(EngramHasher):
         self.pad_row = 0
         self.corrupt_history = corrupt_history
 
-    def forward(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """(row ids [T, L, C], request slot of each token [T], mode name)."""
+    def forward(self, input_ids: torch.Tensor, forward_batch) -> torch.Tensor:
+        """Row ids [T, L, C], as upstream's EngramHasher returns them (the runtime reads each
+        token's request slot from the batch: runtime.step_tokens)."""
         if self.history is None:
             raise EngramError("engram history was not set up: SGLang did not find the model's Engram hasher "
                               "(is engram_layer_ids in config.json?)")
@@ -50,23 +51,19 @@ class StepHasher(EngramHasher):
         n_layers, cols = self.ngram.multipliers.shape[0], self.ngram.offsets.shape[1]
         slots = forward_batch.req_pool_indices.to(torch.int64)
         if T == 0 or mode.is_idle():
-            empty = torch.zeros(T, n_layers, cols, dtype=torch.int64, device=device)
-            return empty, torch.zeros(T, dtype=torch.int64, device=device), "idle"
+            return torch.zeros(T, n_layers, cols, dtype=torch.int64, device=device)
         if mode.is_decode():
             lens = torch.ones_like(slots)
             history = self.history[slots]
-            name = "decode"
         elif mode.is_extend() and not mode.is_target_verify():
             lens = forward_batch.extend_seq_lens.to(torch.int64)
             given = forward_batch.engram_history
             history = self.history[slots] if given is None else given
-            name = "extend"
         else:
             raise EngramError(f"the Qwen3 Engram family serves extend and decode steps, not {mode.name} "
                               f"(speculative decoding is not supported yet)")
         if self.corrupt_history:
             history = torch.zeros_like(history)
-        token_req = torch.repeat_interleave(slots, lens, output_size=T)
         ids, windows = self.ngram.hash_batch(input_ids, forward_batch.positions, history, lens)
         # Commit each request's newest n-1 tokens; requests without tokens and padded
         # graph rows (out_cache_loc 0) write the spare row instead.
@@ -76,4 +73,4 @@ class StepHasher(EngramHasher):
         if out_loc is not None and out_loc.numel() == T:
             rows = torch.where(out_loc[last] == 0, self.pad_row, rows)
         self.history[rows] = newest_history(windows, last, n).to(self.history.dtype)
-        return ids, token_req, name
+        return ids

@@ -63,6 +63,36 @@ class EngramStep:
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
+def step_tokens(forward_batch, num_tokens: int) -> tuple[torch.Tensor, str]:
+    """Each token's request slot (int64 [T]) and the step's mode name, from an SGLang forward
+    batch: idle (no tokens), decode (one token per request), target verify (one block of
+    `draft_token_num` tokens per request: DeepSeek's MTP) or extend (`extend_seq_lens` per
+    request; tokens past their sum are graph padding and get slot -1)."""
+    mode = forward_batch.forward_mode
+    slots = forward_batch.req_pool_indices.to(torch.int64)
+    if num_tokens == 0 or mode.is_idle():
+        return torch.full((num_tokens,), -1, dtype=torch.int64, device=slots.device), "idle"
+    if mode.is_decode():
+        if slots.shape[0] != num_tokens:
+            raise EngramError(f"a decode step of {num_tokens} tokens for {slots.shape[0]} requests")
+        return slots, "decode"
+    if mode.is_target_verify():
+        block = int(forward_batch.spec_info.draft_token_num)
+        if slots.shape[0] * block != num_tokens:
+            raise EngramError(f"a target-verify step of {num_tokens} tokens for {slots.shape[0]} requests "
+                              f"of {block} draft tokens each")
+        # No repeat_interleave (a host sync under the fake capture): verify steps are captured.
+        return slots.unsqueeze(1).expand(-1, block).reshape(-1), "verify"
+    if not mode.is_extend():
+        raise EngramError(f"Engram serves extend, target-verify and decode steps, not {mode.name}")
+    lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    real = int(sum(lens_cpu)) if lens_cpu is not None else num_tokens  # the host sum: no sync
+    token_req = torch.repeat_interleave(slots, forward_batch.extend_seq_lens.to(torch.int64), output_size=real)
+    if real < num_tokens:
+        token_req = torch.cat([token_req, token_req.new_full((num_tokens - real,), -1)])
+    return token_req, "extend"
+
+
 class EngramRuntime:
     """Stores, hasher and step bookkeeping of one model (one per TP rank).
 
@@ -75,10 +105,18 @@ class EngramRuntime:
     """
 
     def __init__(self, cfg: EngramConfig, hasher, settings: ServeSettings, table_dir: Path, device: torch.device,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, *, step_hasher=None):
         from ..stores import open_store
 
         self.cfg, self.hasher, self.settings = cfg, hasher, settings
+        # The module that hashes a forward batch (an upstream EngramHasher: SGLang keeps its
+        # per-request history). Ours over `hasher` unless the model brings its own (DeepSeek:
+        # upstream's, attached with `use_hasher`).
+        if step_hasher is None and hasher is not None:
+            from .history import StepHasher
+
+            step_hasher = StepHasher(hasher, corrupt_history="corrupt-history" in settings.debug)
+        self.step_hasher = step_hasher
         self.device, self.tp_rank, self.tp_size = torch.device(device), tp_rank, tp_size
         self.table_dir = table_dir
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
@@ -105,15 +143,26 @@ class EngramRuntime:
         maintenance.register(self, last=True)  # the stats file, after the stores' maintenance
 
     # ------------------------------------------------------------------ per step
+    def begin_step(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, *,
+                   hash_ids: Optional[torch.Tensor] = None, prefetch: bool = True) -> EngramStep:
+        """One forward step: hash its tokens with the step hasher (or take `hash_ids` a
+        model's own hasher computed: DeepSeek's upstream hasher), then `begin`. `prefetch`
+        False: the layers will ask for other ids than these (a context-parallel slice)."""
+        if hash_ids is None:
+            hash_ids = self.step_hasher(input_ids, forward_batch)
+        token_req, mode = step_tokens(forward_batch, hash_ids.shape[0])
+        return self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
+                          prefetch=prefetch)
+
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
-              input_ids: torch.Tensor, mode: str) -> EngramStep:
+              input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True) -> EngramStep:
         """Issue every layer's gather for this step's hash ids [T, L, C]. Inside a CUDA-graph
         capture no Python state of the runtime changes (a replay would not change it)."""
         capturing = maintenance.capturing()
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
-        if self.settings.prefetch and hash_ids.shape[0]:
+        if self.settings.prefetch and prefetch and hash_ids.shape[0]:
             # No host sync here: a store that reads on the host (disk) copies its column of
             # ids to pinned memory on this stream and its worker waits for that copy's event.
             for L, i in self.layer_index.items():
@@ -133,12 +182,20 @@ class EngramRuntime:
         for handle in handles.values():
             handle.release()
 
-    def rows(self, step: EngramStep, layer_id: int) -> torch.Tensor:
-        """bf16 rows [T, C, 256] of Engram layer `layer_id` for this step."""
+    def rows(self, step: EngramStep, layer_id: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """bf16 rows [T, C, 256] of Engram layer `layer_id` for this step (waiting on its
+        prefetch), or of `ids` when the layer was handed other ids than the step's (a
+        context-parallel rank's slice of them): those are gathered here and now. The one place
+        rows are all-reduced over tensor-parallel ranks."""
         i = self.layer_index[layer_id]
-        ids = step.hash_ids[:, i]
+        own = ids is None
+        if own:
+            ids = step.hash_ids[:, i]
         t0 = time.perf_counter()
         handle = step.handles.pop(layer_id, None)
+        if handle is not None and not own:
+            handle.release()
+            handle = None
         try:
             if "skip-wait" in self.settings.debug:
                 # Negative control: read the row buffer before the gather has filled it.
@@ -151,14 +208,14 @@ class EngramRuntime:
                 rows = self.stores[layer_id].gather(ids) if ids.shape[0] else torch.zeros(
                     *ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
         except TableIOError as fault:
-            rows = self._contain(step, layer_id, ids, fault)
+            rows = self._contain(step, layer_id, ids, fault, own=own)
         step.wait_seconds += time.perf_counter() - t0
         if self.tp_size > 1:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
             # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
             rows = tensor_model_parallel_all_reduce(rows)
-        if self._trace is not None:
+        if self._trace is not None and own:
             step.rows[layer_id] = rows
         return rows
 
@@ -193,20 +250,24 @@ class EngramRuntime:
             self._stats_written = now
             self.write_stats()
 
-    def _contain(self, step: EngramStep, layer_id: int, ids: torch.Tensor, fault: TableIOError) -> torch.Tensor:
+    def _contain(self, step: EngramStep, layer_id: int, ids: torch.Tensor, fault: TableIOError, *,
+                 own: bool = True) -> torch.Tensor:
         """A read that failed after its retries fails only the requests whose tokens needed
         a failed row: their request slots are kept for the scheduler, which aborts them
         after this batch (serving/faults.py); every other token gets its exact rows. A call
         that failed as a whole (e.g. a file truncated under the store) fails the step's
-        requests. The failed rows are +0 for the rest of this forward, never served."""
+        requests, and so does a failed read of ids that are not the step's own (their tokens'
+        requests are not known here). The failed rows are +0 for the rest of this forward,
+        never served."""
         rows = getattr(fault, "rows", None)
-        if rows is None:
-            bad = torch.ones(ids.shape[0], dtype=torch.bool)
+        if rows is None or not own:
+            bad = torch.ones(step.token_req.shape[0], dtype=torch.bool)
             rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
         else:
             flat = ids.reshape(ids.shape[0], -1).cpu().numpy()
             bad = torch.from_numpy(np.isin(flat, fault.failed_ids).any(-1))
-        slots = sorted(set(step.token_req.cpu()[bad].tolist()))
+        # Graph padding rows carry slot -1 (step_tokens): no request to fail.
+        slots = sorted(s for s in set(step.token_req.cpu()[bad].tolist()) if s >= 0)
         message = f"engram layer {layer_id}: {fault}"
         with self._lock:
             for slot in slots:
