@@ -57,7 +57,7 @@ def _cmd_shm_ls(args) -> int:
     if not entries:
         print(f"{d}: no engram-sglang shared copies")
         return 0
-    print(f"{'name':<44} {'GiB':>9} {'layer':>5} {'identity':<16}  holders")
+    print(f"{'name':<56} {'GiB':>9} {'layer':>5} {'numa':<10} {'identity':<16}  holders")
     for e in entries:
         if "filler" in e:
             who = f"leftover of a fill (process {e['filler']} {'alive' if e['filler_alive'] else 'gone'})"
@@ -65,7 +65,7 @@ def _cmd_shm_ls(args) -> int:
             who = "unknown (/proc/locks unreadable)"
         else:
             who = f"{len(e['holders'])} alive" + (f" (pids {', '.join(map(str, e['holders']))})" if e["holders"] else "")
-        print(f"{e['name']:<44} {e['bytes'] / 2**30:9.3f} {e['layer']:>5} {e['identity']:<16}  {who}")
+        print(f"{e['name']:<56} {e['bytes'] / 2**30:9.3f} {e['layer']:>5} {e['numa']:<10} {e['identity']:<16}  {who}")
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 from ..errors import EngramError
 from ..ops import gpu_runtime
-from . import shmcopy
+from . import numa, shmcopy
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,13 @@ class HostTable:
     ----------
     shared : map the node's copy this spec names in /dev/shm (filled by the first rank, or
         checked against the manifest when no running server holds it, while the others wait;
-        read-only unless `read_only` is off) instead of anonymous memory.
+        read-only unless `read_only` is off) instead of anonymous memory. It is filled under
+        the spec's NUMA binding.
+    binding : the NUMA binding of a private (anonymous) copy (stores/numa.py).
     """
 
     def __init__(self, nbytes: int, *, source: Path, source_offset: int, shared: Optional["shmcopy.Spec"] = None,
-                 huge_pages: bool = True, read_only: bool = True):
+                 huge_pages: bool = True, read_only: bool = True, binding: Optional[numa.Binding] = None):
         self.nbytes = nbytes
         self.huge_pages = huge_pages
         self.shared: Optional[shmcopy.SharedCopy] = None
@@ -90,6 +92,7 @@ class HostTable:
         if shared is None:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._advise_huge(self.map)
+            numa.bind(self.map, binding)  # before the fill touches the first page
             _fill(self.map, source, source_offset, nbytes)
             self._collapse()
         else:

@@ -46,12 +46,14 @@ def list_copies(directory: Path) -> list[dict]:
         except FileNotFoundError:
             continue
         entry = {"name": name, "bytes": st.st_size, "regular": stat.S_ISREG(st.st_mode)}
+        copy = m if m is not None else NAME.match(t.group(1))
+        # numa: the node the copy is bound to (node1), interleave, or "-" where it is not bound
+        entry.update(identity=copy["identity"], layer=int(copy["layer"]), numa=copy["numa"] or "-")
         if m is not None:
-            entry.update(identity=m.group(1), layer=int(m.group(2)), holders=holders(p))
+            entry.update(holders=holders(p))
         else:
             pid = int(t.group(2))
-            entry.update(identity=NAME.match(t.group(1)).group(1), layer=int(NAME.match(t.group(1)).group(2)),
-                         filler=pid, filler_alive=_pid_alive(pid))
+            entry.update(filler=pid, filler_alive=_pid_alive(pid))
         out.append(entry)
     return out
 
@@ -61,7 +63,8 @@ def remove_copy(directory: Path, name: str, force: bool = False) -> int:
     running server holds is refused unless `force` (that server keeps its mapping: the memory
     is freed when it exits)."""
     if Path(name).name != name or not (NAME.match(name) or _TMP.match(name)):
-        raise EngramError(f"{name}: not the name of a shared copy (engram-IDENTITY-layerL.rows, as `shm ls` lists)")
+        raise EngramError(f"{name}: not the name of a shared copy (engram-IDENTITY[-NUMA]-layerL.rows, as `shm ls` "
+                          f"lists)")
     path = directory / name
     try:
         st = os.lstat(path)

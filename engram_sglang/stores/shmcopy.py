@@ -39,11 +39,13 @@ from typing import Callable, Optional
 from ..errors import EngramError
 from ..fileio import kind_of
 from ..rowformat import ROW_BYTES
+from . import numa
 
 logger = logging.getLogger(__name__)
 
-NAME = re.compile(r"^engram-([0-9a-f]{16})-layer(\d+)\.rows$")
-_TMP = re.compile(r"^(engram-[0-9a-f]{16}-layer\d+\.rows)\.tmp\.(\d+)$")
+# engram-IDENTITY[-NUMA]-layerL.rows: NUMA is node<N> or interleave where the copy is bound (stores/numa.py).
+NAME = re.compile(r"^engram-(?P<identity>[0-9a-f]{16})(?:-(?P<numa>node\d+|interleave))?-layer(?P<layer>\d+)\.rows$")
+_TMP = re.compile(r"^(engram-[0-9a-f]{16}(?:-(?:node\d+|interleave))?-layer\d+\.rows)\.tmp\.(\d+)$")
 PROGRESS_SECONDS = 5.0
 
 
@@ -66,10 +68,13 @@ class Spec:
     chunk_rows: int
     checksums: tuple[str, ...]
     keep: bool = False
+    binding: Optional[numa.Binding] = None  # the NUMA policy it is filled under; its tag is in the name
 
     @property
     def path(self) -> Path:
-        return self.directory / f"engram-{identity(self.layer_id, self.rows, self.chunk_rows, self.checksums)}-layer{self.layer_id}.rows"
+        tag = self.binding.tag if self.binding is not None else None
+        ident = identity(self.layer_id, self.rows, self.chunk_rows, self.checksums)
+        return self.directory / f"engram-{ident}{f'-{tag}' if tag else ''}-layer{self.layer_id}.rows"
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +174,20 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def allocated_bytes(path: Path) -> int:
+    """Memory already allocated to the copy at `path` and to fills of it in progress (so a
+    rank deciding where its copy goes counts it as its own, not as memory used by others)."""
+    total = 0
+    for p in [path, *path.parent.glob(f"{path.name}.tmp.*")]:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_blocks * 512
+    return total
 
 
 def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]:
@@ -323,15 +342,23 @@ class SharedCopy:
         tmp = Path(f"{path}.tmp.{os.getpid()}")
         fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
-                raise
+            os.ftruncate(fd, nbytes)  # sized, no page yet: the NUMA policy must come first
             writable = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             try:
-                advise(writable)  # huge pages are handed out as the fill faults them in
+                advise(writable)
+                # tmpfs keeps a shared mapping's policy with the file: fallocate and every rank's
+                # later mapping get pages by it.
+                numa.bind(writable, self.spec.binding)
+                try:  # all pages now, so a full /dev/shm or NUMA node fails here, not in a page fault
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
+                    if e.errno == errno.ENOMEM:
+                        raise EngramError(f"{path}: no memory for a {nbytes / 2**30:.2f} GiB shared table on "
+                                          f"{self.spec.binding.describe() if self.spec.binding else 'this host'}; "
+                                          f"free memory or choose --engram-host-numa interleave") from None
+                    raise
                 progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes)
                 fill(writable, progress)
                 progress.done()
