@@ -47,6 +47,7 @@ from .planning.model import (
     CACHE_LINE,
     DECODE_BATCH,
     HOST_LAYOUTS,
+    NUMA_MODES,
     PREFILL_CHUNK,
     SGLANG_CHUNKED_PREFILL,
     SGLANG_DECODE_GRAPH_BS,
@@ -81,6 +82,7 @@ __all__ = [
     "CACHE_LINE",
     "DECODE_BATCH",
     "HOST_LAYOUTS",
+    "NUMA_MODES",
     "PLACEMENTS",
     "PREFILL_CHUNK",
     "SGLANG_CHUNKED_PREFILL",
@@ -141,6 +143,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV tokens a placement must leave room for to 'fit' (default: the context length)")
     p.add_argument("--host-dram-gib", type=float, default=None,
                    help="host DRAM per node; warns when host tables need more")
+    p.add_argument("--host-numa", default="auto", metavar="auto|interleave|off|N",
+                   help="host placement: --engram-host-numa (default auto: one shared copy per NUMA node whose DRAM "
+                        "holds it, else one interleaved copy)")
+    p.add_argument("--numa-nodes", type=int, default=None,
+                   help="NUMA nodes with CPUs per server (default: the SKU's usual host, configs/gpus.json)")
+    p.add_argument("--numa-dram-gib", type=float, default=None,
+                   help="DRAM per NUMA node in GiB (default: the SKU's usual host, configs/gpus.json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -159,6 +168,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             reserve_gib=args.reserve_gib,
             min_kv_tokens=args.min_kv_tokens,
             host_dram_gib=args.host_dram_gib,
+            host_numa=args.host_numa,
+            numa_nodes=args.numa_nodes,
+            numa_dram_gib=args.numa_dram_gib,
         )
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)

@@ -81,13 +81,66 @@ def test_host_dram_and_dev_shm():
     p = plan(model=DSV41, gpu="H200", tp=4, placement="host", host_layout="shared")
     d = p["host_dram_per_node"]
     assert (d["ranks_per_node"], d["replicas_per_node"]) == (4, 2)
-    assert d["shared_bytes"] == p["tables"]["total_bytes"]
+    # --engram-host-numa auto on a 2-socket host: one copy per NUMA node (configs/gpus.json: 2 x 1 TiB)
+    assert (d["shared_copies"], d["shared_bytes"]) == (2, 2 * p["tables"]["total_bytes"])
     assert d["per_rank_bytes"] == 8 * p["tables"]["per_rank_bytes"]
-    assert p["dev_shm"]["needed_bytes"] == p["tables"]["total_bytes"]
-    assert p["dev_shm"]["docker_shm_size"] == "221g"  # 189 GiB of table + SGLang's own 32g
+    assert p["dev_shm"]["needed_bytes"] == 2 * p["tables"]["total_bytes"]
+    assert p["dev_shm"]["docker_shm_size"] == "410g"  # 2 x 188.83 GiB of table + SGLang's own 32g
     q = plan(model=DSV41, gpu="H200", tp=4, placement="host", host_layout="per_rank")
     assert q["dev_shm"]["needed_bytes"] == 0
     assert q["host_link"]["decode_step_bytes"] * 4 == pytest.approx(p["host_link"]["decode_step_bytes"], abs=4)
+
+
+def test_numa_copies_count_against_each_nodes_dram():
+    total = plan(model=DSV41, gpu="H200", tp=4)["tables"]["total_bytes"]
+    half = -(-total // 2)
+
+    def numa(**kw):
+        p = plan(model=DSV41, gpu="H200", tp=4, placement="host", **kw)
+        n = p["numa"]
+        return (n["copies"], n["per_node_bytes"], n["total_bytes"], p["host_dram_per_node"]["shared_bytes"],
+                p["dev_shm"]["needed_bytes"]), n, p
+
+    assert numa()[0] == (2, total, 2 * total, 2 * total, 2 * total)  # auto: a copy on each of 2 nodes of 1 TiB
+    got, n, p = numa(numa_dram_gib=100)  # a node cannot hold a copy: auto interleaves one copy
+    assert got == (1, half, total, total, total) and "interleaved" in n["layout"] and p["warnings"] == []
+    assert numa(host_numa="interleave")[0] == (1, half, total, total, total)
+    assert numa(host_numa="1")[0] == (1, total, total, total, total)
+    assert numa(host_numa="off")[0][0] == 1 and numa(numa_nodes=1)[0][0] == 1
+    assert numa(numa_nodes=4, numa_dram_gib=512)[0][0] == 4
+    got, n, p = numa(host_numa="1", numa_dram_gib=100)  # the operator's node cannot hold it: said
+    assert any("188.83 GiB on a NUMA node (bound to node 1), more than its 100.00 GiB" in w for w in p["warnings"])
+    # Private shards (per-rank layout) go to each rank's node: half of all shards per node.
+    got, n, p = numa(host_layout="per_rank")
+    assert got[:3] == (1, -(-p["host_dram_per_node"]["per_rank_bytes"] // 2), p["host_dram_per_node"]["per_rank_bytes"])
+    assert p["dev_shm"]["needed_bytes"] == 0
+    text = format_text(numa()[2])
+    assert re.search(r"per NUMA node \(2 nodes\) +188\.83 GiB of 1024\.00 GiB +--engram-host-numa auto: one copy per "
+                     r"node, 2 x 188\.83 GiB", text), text
+    assert "NUMA: 2 nodes of 1024 GiB each (configs/gpus.json: NVIDIA DGX H200 datasheet" in text
+    assert "NUMA: 2 nodes of 300 GiB each (--numa-nodes/--numa-dram-gib)" in format_text(numa(numa_dram_gib=300)[2])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(host_numa="2"), "--host-numa must be auto, interleave, off or a node number below the 2 NUMA nodes, got '2'"),
+    (dict(host_numa="near"), "--host-numa must be auto, interleave, off or a node number"),
+    (dict(numa_nodes=0), "--numa-nodes must be a whole number from 1 to 1024, got 0"),
+    (dict(numa_dram_gib=float("nan")), "--numa-dram-gib must be a number from 0 to 1048576, got nan"),
+])
+def test_bad_numa_inputs_are_one_line(kw, message):
+    with pytest.raises(PlannerError) as e:
+        plan(model=DSV41, gpu="H200", tp=4, **kw)
+    assert message in one_line(e.value)
+
+
+def test_numa_flags_on_the_command_line(capsys):
+    assert main(["--model", DSV41, "--gpu", "GB200", "--tp", "4", "--host-numa", "interleave", "--json"]) == 0
+    n = json.loads(capsys.readouterr().out)["numa"]
+    assert (n["nodes"], n["dram_per_node_bytes"], n["copies"], n["mode"]) == (2, 480 * GIB, 1, "interleave")
+    assert main(["--model", DSV41, "--gpu", "H200", "--numa-nodes", "4", "--numa-dram-gib", "256", "--tp", "4"]) == 0
+    assert "per NUMA node (4 nodes)" in capsys.readouterr().out
+    assert main(["--model", DSV41, "--gpu", "H200", "--host-numa", "9"]) == 2
+    assert "--host-numa must be" in capsys.readouterr().err
 
 
 def test_host_dram_warning():
@@ -210,6 +263,7 @@ def test_gpus_file():
     for g in gpus.values():
         assert 64 * GIB < g.hbm_bytes < 512 * GIB, g
         assert g.host_link_gbps > 0 and g.gpus_per_node in (4, 8)
+        assert g.numa_nodes == 2 and 256 * GIB <= g.dram_per_numa_node_bytes <= 4096 * GIB and g.dram_source, g
         if g.vendor == "nvidia":
             assert re.fullmatch(r"sm_\d{2,3}", g.arch), g
         else:

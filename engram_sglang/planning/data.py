@@ -26,6 +26,7 @@ class PlannerError(EngramError, ValueError):
 # or absurd values would otherwise overflow (int(inf)) or loop (TP sizes up to the head count).
 MAX_GIB = 1 << 20  # 1 PiB: any memory size in GiB
 MAX_TP = 1024
+MAX_NUMA_NODES = 1024  # the kernel's NODES_SHIFT is at most 10
 MAX_HEADS = 1 << 16  # attention heads, KV heads, layers
 MAX_TOKENS = 1 << 40  # context length, KV tokens
 MAX_KV_BYTES = 1 << 30  # KV cache bytes per token
@@ -54,6 +55,9 @@ class GpuSku:
     host_link_gbps: float
     gpus_per_node: int
     runner_label: str
+    numa_nodes: int = 1  # NUMA nodes with CPUs of the usual host, and the DRAM of each
+    dram_per_numa_node_bytes: Optional[int] = None
+    dram_source: str = ""
 
     @property
     def docker_vendor(self) -> str:
@@ -89,6 +93,10 @@ def load_gpus(path: Optional[Path] = None) -> dict[str, GpuSku]:
                 host_link_gbps=float(d["host_link_gbps"]),
                 gpus_per_node=int(d["gpus_per_node"]),
                 runner_label=str(d["runner_label"]),
+                numa_nodes=int(bounded(d.get("numa_nodes", 1), f"{path}: {key} numa_nodes", 1, MAX_NUMA_NODES, True)),
+                dram_per_numa_node_bytes=None if d.get("dram_per_numa_node_gib") is None else int(round(
+                    bounded(d["dram_per_numa_node_gib"], f"{path}: {key} dram_per_numa_node_gib", 0, MAX_GIB) * GIB)),
+                dram_source=str(d.get("dram_source", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlannerError(f"{path}: SKU {key!r} is missing or has a bad field ({e})") from None

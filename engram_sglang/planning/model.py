@@ -16,6 +16,7 @@ from .data import (
     MAX_GIB,
     MAX_KV_BYTES,
     MAX_TOKENS,
+    MAX_NUMA_NODES,
     MAX_TP,
     ModelFacts,
     PlannerError,
@@ -25,6 +26,7 @@ from .data import (
 )
 
 HOST_LAYOUTS = ("shared", "per_rank")
+NUMA_MODES = ("auto", "interleave", "off")  # or a node number: --engram-host-numa (stores/numa.py)
 
 # Batches the host-link estimate is quoted for: a decode step of 256 requests and one
 # prefill chunk of 8192 tokens, the shapes docs/measurements.md section 4 measures.
@@ -55,6 +57,9 @@ class PlanInputs:
     reserve_gib: Optional[float] = None
     min_kv_tokens: Optional[int] = None
     host_dram_gib: Optional[float] = None
+    host_numa: str = "auto"
+    numa_nodes: Optional[int] = None
+    numa_dram_gib: Optional[float] = None
 
 
 def row_bytes(cfg: EngramConfig) -> int:
@@ -118,13 +123,19 @@ class Planner:
             raise PlannerError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {inputs.placement!r}")
         if inputs.host_layout not in HOST_LAYOUTS:
             raise PlannerError(f"--host-layout must be one of {', '.join(HOST_LAYOUTS)}, got {inputs.host_layout!r}")
-        for name in ("hot_cache_gib", "weights_gib", "reserve_gib", "host_dram_gib"):
+        for name in ("hot_cache_gib", "weights_gib", "reserve_gib", "host_dram_gib", "numa_dram_gib"):
             if getattr(inputs, name) is not None:
                 bounded(getattr(inputs, name), f"--{name.replace('_', '-')}", 0, MAX_GIB)
         if inputs.kv_bytes_per_token is not None:
             bounded(inputs.kv_bytes_per_token, "--kv-bytes-per-token", 1, MAX_KV_BYTES)
         self.inputs = inputs
         self.gpu = gpu_sku(inputs.gpu)
+        if inputs.numa_nodes is not None:
+            bounded(inputs.numa_nodes, "--numa-nodes", 1, MAX_NUMA_NODES, whole=True)
+        mode = str(inputs.host_numa)
+        if mode not in NUMA_MODES and not (mode.isdigit() and int(mode) < self.numa_nodes):
+            raise PlannerError(f"--host-numa must be auto, interleave, off or a node number below the "
+                               f"{self.numa_nodes} NUMA nodes, got {inputs.host_numa!r}")
         self.cfg = EngramConfig.resolve(inputs.model)
         self.rows = EngramLayout(self.cfg).num_embeddings
         self.row_bytes = row_bytes(self.cfg)
@@ -221,13 +232,59 @@ class Planner:
             "gpus_per_node": per_node,
             "ranks_per_node": ranks,
             "replicas_per_node": replicas,
-            "shared_bytes": self.table_bytes,
+            "shared_copies": self.numa(tp, "shared")["copies"],  # one per NUMA node with --engram-host-numa auto
+            "shared_bytes": self.numa(tp, "shared")["total_bytes"],
             "per_rank_bytes": shard * gpus_used,
             "per_rank_each_bytes": shard,
         }
 
-    def dev_shm(self) -> dict[str, Any]:
-        need = self.table_bytes if self.inputs.placement == "host" and self.inputs.host_layout == "shared" else 0
+    @property
+    def numa_nodes(self) -> int:
+        return self.inputs.numa_nodes or self.gpu.numa_nodes
+
+    def numa(self, tp: int, layout: Optional[str] = None) -> dict[str, Any]:
+        """The host tables over the server's NUMA nodes, by stores/numa.py's rule for
+        `--engram-host-numa`: auto puts the shared copy on every node whose DRAM holds it (each
+        rank maps its GPU's node's copy), else one copy interleaved over all nodes; a private
+        copy (per-rank layout) goes to its rank's node."""
+        inp, nodes = self.inputs, self.numa_nodes
+        dram = (int(round(inp.numa_dram_gib * GIB)) if inp.numa_dram_gib is not None
+                else self.gpu.dram_per_numa_node_bytes)
+        mode = str(inp.host_numa)
+        shared = (layout or inp.host_layout) == "shared"
+        one = self.table_bytes if shared else self._all_shards(tp)  # the copy, or every rank's private shard
+        copies, per_node = 1, one
+        spread = -(-one // nodes)
+        if mode == "auto" and nodes > 1 and (dram is None or (one if shared else spread) <= dram):
+            layout = "one copy per node" if shared else "each rank's shard on its GPU's node"
+            copies, per_node = (nodes, one) if shared else (1, spread)
+        elif mode in ("auto", "interleave") and nodes > 1:
+            layout = "interleaved over all nodes" + (" (auto: a node's DRAM cannot hold a copy)" if mode == "auto" else "")
+            per_node = spread
+        elif mode.isdigit():
+            layout = f"bound to node {mode}"
+        elif nodes == 1:
+            layout = "one node"
+        else:
+            layout = "not bound (first touch: up to all of it on the filling rank's node)"
+        return {
+            "nodes": nodes,
+            "dram_per_node_bytes": dram,
+            "mode": mode,
+            "layout": layout,
+            "copies": copies,
+            "copy_bytes": one,
+            "per_node_bytes": per_node,
+            "total_bytes": copies * one,
+            "fits": None if dram is None else per_node <= dram,
+        }
+
+    def _all_shards(self, tp: int) -> int:
+        """Every rank's private shard on one server (per-rank layout)."""
+        return self.host_dram(tp)["per_rank_bytes"]
+
+    def dev_shm(self, copies: int = 1) -> dict[str, Any]:
+        need = self.table_bytes * copies if self.inputs.placement == "host" and self.inputs.host_layout == "shared" else 0
         size_g = math.ceil(need / GIB) + SGLANG_SHM_GIB
         return {
             "needed_bytes": need,
@@ -292,8 +349,17 @@ class Planner:
         if f.attention_heads is not None:
             out.append(f"TP must divide the {f.attention_heads} attention heads ({f.sources.get('num_attention_heads', '?')})")
         out.append(
-            f"/dev/shm: a shared host table is one {self.table_bytes / GIB:.2f} GiB copy per node in /dev/shm, "
-            f"plus the {SGLANG_SHM_GIB} GiB SGLang's docker examples give the server; per-rank tables use anonymous memory"
+            f"/dev/shm: a shared host table is one {self.table_bytes / GIB:.2f} GiB copy per server (per NUMA node with "
+            f"--engram-host-numa auto) in /dev/shm, plus the {SGLANG_SHM_GIB} GiB SGLang's docker examples give the "
+            f"server; per-rank tables use anonymous memory"
+        )
+        dram = self.numa(tp)["dram_per_node_bytes"]
+        source = ("--numa-nodes/--numa-dram-gib" if self.inputs.numa_nodes or self.inputs.numa_dram_gib is not None
+                  else f"configs/gpus.json: {self.gpu.dram_source or 'no source'}")
+        out.append(
+            f"NUMA: {self.numa_nodes} node{'s' if self.numa_nodes != 1 else ''} of "
+            f"{'unknown DRAM' if dram is None else f'{dram / GIB:.0f} GiB'} each ({source}), GPUs spread evenly over "
+            f"them; at start-up auto compares a copy with the node's free memory, not its DRAM"
         )
         out.append(
             f"host link times are at the link's peak ({self.gpu.host_link_gbps:g} GB/s per direction) for "
@@ -326,6 +392,12 @@ class Planner:
                 f"{chosen['min_kv_bytes'] / GIB:.2f} GiB; smallest TP that fits: {smallest[inp.placement]}"
             )
         dram = self.host_dram(tp)
+        numa = self.numa(tp)
+        if numa["fits"] is False and inp.placement == "host":
+            warnings.append(
+                f"host tables put {numa['per_node_bytes'] / GIB:.2f} GiB on a NUMA node ({numa['layout']}), more than "
+                f"its {numa['dram_per_node_bytes'] / GIB:.2f} GiB of DRAM (--numa-dram-gib sets it)"
+            )
         if inp.host_dram_gib is not None and inp.placement == "host":
             need = dram["shared_bytes"] if inp.host_layout == "shared" else dram["per_rank_bytes"]
             if need > inp.host_dram_gib * GIB:
@@ -364,7 +436,8 @@ class Planner:
             "kv_tokens_gained": chosen["kv_tokens_gained"],
             "smallest_tp": smallest,
             "host_dram_per_node": dram,
-            "dev_shm": self.dev_shm(),
+            "numa": numa,
+            "dev_shm": self.dev_shm(dram["shared_copies"]),
             "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
             "host_link": self.host_link(tp),
             "assumptions": self.assumptions(tp),

@@ -65,9 +65,19 @@ def format_text(p: dict[str, Any]) -> str:
     lines += [
         f"Host DRAM per node for host tables ({d['gpus_per_node']} GPUs, {d['replicas_per_node']} "
         f"replica{'s' if d['replicas_per_node'] != 1 else ''} of TP{tp})",
-        f"  {'shared layout (one copy per node)':<38}{_fmt_gib(d['shared_bytes']):>14}",
+        f"  {'shared layout (' + str(d['shared_copies']) + ' cop' + ('ies' if d['shared_copies'] != 1 else 'y') + ')':<38}"
+        f"{_fmt_gib(d['shared_bytes']):>14}",
         f"  {'per-rank layout (a shard per rank)':<38}{_fmt_gib(d['per_rank_bytes']):>14}",
     ]
+    n = p["numa"]
+    if p["placement"] == "host":
+        of = f" of {_fmt_gib(n['dram_per_node_bytes'])}" if n["dram_per_node_bytes"] is not None else ""
+        lines.append(
+            f"  {'per NUMA node (' + str(n['nodes']) + ' node' + ('s' if n['nodes'] != 1 else '') + ')':<38}"
+            f"{_fmt_gib(n['per_node_bytes']):>14}{of}   --engram-host-numa {n['mode']}: {n['layout']}, "
+            + (f"{n['copies']} x {_fmt_gib(n['copy_bytes'])}" if p["host_layout"] == "shared"
+               else f"{_fmt_gib(n['total_bytes'])} of shards in all")
+        )
     s = p["dev_shm"]
     lines += [
         f"  {'/dev/shm needed':<38}{_fmt_gib(s['needed_bytes']):>14}   docker run {s['docker_flags']}",
