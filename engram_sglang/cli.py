@@ -86,10 +86,12 @@ def _cmd_demo(args) -> int:
 
 
 def _demo_placements(text: str) -> tuple[str, ...]:
+    from .placement_table import PLACEMENTS
+
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in names if x not in ("device", "host", "disk")]
+    bad = [x for x in names if x not in PLACEMENTS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"placements are device, host, disk (comma-separated), got {text!r}")
+        raise argparse.ArgumentTypeError(f"placements are {', '.join(PLACEMENTS)} (comma-separated), got {text!r}")
     return names
 
 

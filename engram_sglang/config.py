@@ -16,10 +16,7 @@ from typing import Any, Mapping, Optional
 
 from .errors import EngramConfigError
 from .fileio import read_regular
-
-# Where a table can live: the one list the stores, the serving flags and the planner share
-# (here, in a module without torch, because the serving flags load without it).
-PLACEMENTS = ("device", "host", "disk")
+from .placement_table import PLACEMENTS  # noqa: F401  (where a table can live: re-exported)
 
 # The HF config.json keys, as DeepSeek-V4.1's `text_config` spells them.
 _KEY_PREFIX = "engram_"

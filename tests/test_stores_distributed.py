@@ -1,6 +1,7 @@
 """Tensor parallelism for real: 2 and 4 processes (torch.distributed, gloo) each open their
 row-range shard, gather the same ids, and an all-reduce sum reassembles the unsharded rows
-bit for bit."""
+bit for bit. With the node's shared host copy and the ranks' agreement (`agree`, one MIN
+all-reduce) every rank reads whole rows instead: no sum, the same bits as shards summed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engram_sglang.tablefile import write_tables
 pytest.importorskip("engram_sglang.ops", reason="the gather_dequant op (engram_sglang.ops) is not built yet")
 
 CFG = small_config(300, layer_ids=(4,), n_heads=2)
-PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}}
+PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}, "host-whole": {"shared": True}}
 
 
 def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str, shm_dir: str, result_dir: str):
@@ -33,15 +34,27 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
         options = dict(PLACEMENT_OPTIONS[placement])
         if options.get("shared"):
             options["shm_dir"] = shm_dir
-        store = open_store(table_dir, placement, cfg=CFG, tp_rank=rank, tp_size=world, **options)[4]
+        whole = placement == "host-whole"
+        if whole:  # what the serving runtime passes: ranks agree that all hold whole rows
+            options["agree"] = _agree
+        store = open_store(table_dir, placement.split("-")[0], cfg=CFG, tp_rank=rank, tp_size=world, **options)[4]
         ids = torch.from_numpy(np.load(os.path.join(result_dir, "ids.npy")))
         rows = store.gather(ids)
         partial = rows.float()
-        dist.all_reduce(partial)  # what a TP all-reduce of the Engram rows computes
+        if whole:  # no sum: this rank's own rows, checked against private shards summed
+            shard = open_store(table_dir, "host", cfg=CFG, tp_rank=rank, tp_size=world)[4]
+            summed = shard.gather(ids).float()
+            dist.all_reduce(summed)
+            same = torch.tensor([int(torch.equal(bf16_bits(rows), bf16_bits(summed.to(torch.bfloat16))))])
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)  # on every rank
+            shard.close()
+        else:
+            dist.all_reduce(partial)  # what a TP all-reduce of the Engram rows computes
         dist.barrier()  # every rank holds its store: count the node's copies now
         if rank == 0:
             copies = len([n for n in os.listdir(shm_dir) if n.startswith("engram-") and n.endswith("-layer4.rows")])
-            torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range, "copies": copies},
+            torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range, "copies": copies,
+                        "whole_equals_shards": bool(same.item()) if whole else None},
                        os.path.join(result_dir, "out.pt"))
         store.close()
         dist.barrier()  # no rank tears gloo down while a peer is still talking to it
@@ -55,6 +68,12 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
     os._exit(0)
 
 
+def _agree(everywhere: bool) -> bool:
+    value = torch.tensor([int(everywhere)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -66,8 +85,8 @@ def table(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+@pytest.mark.parametrize("world,placement", [(w, p) for w in (2, 4) for p in ("device", "host", "disk")]
+                         + [(2, "host-whole")])
 def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, placement, rng):
     root, rows = table
     ids = torch.randint(0, rows.shape[0], (48, 24), generator=rng)
@@ -82,7 +101,11 @@ def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, plac
     out = torch.load(tmp_path / "out.pt")
     want = rowformat.dequantize(rows[ids.reshape(-1)]).view(48, 24, 256)
     assert torch.equal(bf16_bits(out["sum"]), bf16_bits(want))
-    assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
-    if placement == "host":
+    if placement == "host-whole":
+        assert out["range"] == (0, rows.shape[0])  # rank 0 read whole rows, no sum
+        assert out["whole_equals_shards"] is True  # every rank, bit for bit
+    else:
+        assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
+    if placement.startswith("host"):
         assert out["copies"] == 1  # one copy for all ranks
         assert list(tmp_path.glob("engram-*-layer4.rows")) == []  # removed by the last rank to close

@@ -1,7 +1,7 @@
 """CUDA graphs and Engram placements.
 
-A placement whose stores have `needs_host_ids` (the disk tier: each step's row ids go to
-the host, which reads the rows) cannot run inside a captured CUDA graph: a replay would
+A placement the placement table (placement_table.py) marks not capturable (its ids visit
+the host, which reads the rows: the disk tier) cannot run inside a captured CUDA graph: a replay would
 re-run the device kernels but never the host reads. SGLang captures graphs for decode
 (and, in 0.5.23, for prefill) by default on a GPU, so:
 
@@ -25,6 +25,7 @@ import json
 from typing import Iterable, Optional, Sequence
 
 from ..errors import EngramConfigError, EngramError
+from ..placement_table import placement as placement_spec
 
 PHASES = ("decode", "prefill")
 DISABLED = "disabled"
@@ -34,19 +35,8 @@ PHASE_OFF = {"decode": "--disable-decode-cuda-graph", "prefill": "--disable-pref
 
 
 def placement_needs_host_ids(placement: str) -> bool:
-    """Whether the stores of this placement send row ids to the host (never graph-capturable)."""
-    from ..stores.base import TableStore
-    from ..stores import placements  # noqa: F401  (defines the placement classes)
-
-    def walk(cls):
-        for sub in cls.__subclasses__():
-            yield sub
-            yield from walk(sub)
-
-    for cls in walk(TableStore):
-        if getattr(cls, "placement", None) == placement and "placement" in vars(cls):
-            return bool(cls.needs_host_ids)
-    return False
+    """Whether the stores of this placement send row ids to the host (the placement table)."""
+    return placement_spec(placement).ids_visit_host
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
@@ -64,7 +54,7 @@ def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None)
     """SGLang flags to add for this placement (and trace setting) and the line that says
     why (None: nothing to add). Raises EngramConfigError (one line) when argv asks for a
     CUDA graph explicitly while the step cannot run in one."""
-    if placement_needs_host_ids(placement):
+    if not placement_spec(placement).capturable:
         why = (f"--engram-placement {placement} reads each step's row ids on the host, which a captured CUDA graph "
                f"cannot replay")
     elif trace:
@@ -123,7 +113,7 @@ def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] =
 
     if torch.device(device).type != "cuda":
         return
-    host = sorted({s.placement for s in stores if getattr(s, "needs_host_ids", False)})
+    host = sorted({s.placement for s in stores if s.needs_host_ids})
     if host:
         why = f"placement {', '.join(host)} reads each step's row ids on the host"
     elif trace:

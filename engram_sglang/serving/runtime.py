@@ -40,6 +40,16 @@ def active_runtimes() -> list["EngramRuntime"]:
     return list(_RUNTIMES)
 
 
+def agree_over_tp(flag: bool) -> bool:
+    """True only if `flag` is true on every rank of SGLang's tensor-parallel group (the group
+    `rows` all-reduces over), by one all-reduce over its CPU group at start-up."""
+    from sglang.srt.distributed import get_tp_group
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return bool(value.item())
+
+
 def resolve_table_dir(settings: ServeSettings, model_path: Optional[str]) -> Path:
     if settings.table_dir:
         return Path(settings.table_dir)
@@ -120,11 +130,14 @@ class EngramRuntime:
         self.device, self.tp_rank, self.tp_size = torch.device(device), tp_rank, tp_size
         self.table_dir = table_dir
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
-                                 tp_size=tp_size, backend=settings.backend, **settings.store_options())
+                                 tp_size=tp_size, backend=settings.backend, agree=agree_over_tp,
+                                 **settings.store_options())
+        # Rows are summed over the TP ranks only where some store holds a shard: with one host
+        # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
+        self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
-        # Hash column -> the disk store (below a hot-row cache, if any) whose DRAM cache takes read-ahead.
-        lower = {i: getattr(self.stores[L], "inner", self.stores[L]) for L, i in self.layer_index.items()}
-        self._ahead = {i: s for i, s in lower.items() if getattr(s, "dram", None) is not None}
+        # Hash column -> the store that keeps rows read ahead (a disk store's DRAM cache).
+        self._ahead = {i: self.stores[L] for L, i in self.layer_index.items() if self.stores[L].reads_ahead}
         self._trace = _TraceWriter(settings.trace) if settings.trace else None
         self._lock = threading.Lock()
         self._steps = self._tokens = 0
@@ -210,7 +223,7 @@ class EngramRuntime:
         except TableIOError as fault:
             rows = self._contain(step, layer_id, ids, fault, own=own)
         step.wait_seconds += time.perf_counter() - t0
-        if self.tp_size > 1:
+        if self.reduce_rows:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
             # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
@@ -307,6 +320,7 @@ class EngramRuntime:
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
                 "prefetch": self.settings.prefetch,
+                "rows_all_reduced": self.reduce_rows,  # False: every rank reads whole rows (or TP 1)
                 "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)
                 "forward_steps": self._forward_steps,  # every step, CUDA-graph replays included
                 "tokens": self._tokens,

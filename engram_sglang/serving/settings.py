@@ -13,7 +13,8 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-from ..config import PLACEMENTS
+from ..placement_table import PLACEMENT_TABLE, PLACEMENTS
+from ..placement_table import placement as placement_spec
 from ..errors import EngramConfigError
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
@@ -103,22 +104,31 @@ class ServeSettings:
         return cls(**values)
 
     def store_options(self) -> dict:
-        """open_store's options for this placement."""
-        cache = {"cache_bytes": self.cache_mib << 20, "cache_profile": self.cache_profile} if self.cache_mib else {}
-        if self.disk_dram_cache_mib and self.placement != "disk":
-            raise EngramConfigError("ENGRAM_DISK_DRAM_CACHE_MIB (--engram-disk-dram-cache-mib) needs placement disk, "
-                                    f"got {self.placement}")
-        if self.placement == "host":
-            keep = {"keep": True} if self.host_keep else {}
-            return {"shared": self.host_shared, "shm_dir": self.shm_dir, "huge_pages": self.huge_pages, **keep, **cache}
-        if self.placement == "disk":
-            dram = {"dram_cache_bytes": self.disk_dram_cache_mib << 20} if self.disk_dram_cache_mib else {}
-            return {"threads": self.disk_threads, "direct": self.disk_direct, "retries": self.disk_retries, **dram,
-                    **cache}
+        """open_store's options for this placement, as the placement table (placement_table.py) names them."""
+        spec = placement_spec(self.placement)
+        for p in PLACEMENT_TABLE.values():  # a knob only another placement reads would be silently ignored
+            for o in p.options:
+                if o.only_when_set and o.name not in spec.option_names and getattr(self, _field(o.knob)):
+                    knob = next(k for k in KNOBS if k.flag == o.knob)
+                    raise EngramConfigError(f"{knob.env} (--engram-{knob.flag}) needs placement {p.name}, "
+                                            f"got {self.placement}")
+        if self.cache_mib and not spec.cache_in_front:
+            takes = " or ".join(p.name for p in PLACEMENT_TABLE.values() if p.cache_in_front)
+            raise EngramConfigError(f"ENGRAM_CACHE_MIB (--engram-cache-mib) needs placement {takes}: "
+                                    f"placement {self.placement} already holds the table in device memory")
+        options = {}
+        for o in spec.options:
+            value = getattr(self, _field(o.knob))
+            if o.only_when_set and not value:
+                continue
+            options[o.name] = value * o.scale if o.scale != 1 else value
         if self.cache_mib:
-            raise EngramConfigError("ENGRAM_CACHE_MIB (--engram-cache-mib) needs placement host or disk: "
-                                    "placement device already holds the table in device memory")
-        return {}
+            options.update(cache_bytes=self.cache_mib << 20, cache_profile=self.cache_profile)
+        return options
+
+
+def _field(flag: str) -> str:
+    return flag.replace("-", "_")
 
 
 def _parse(knob: Knob, raw: str) -> Any:

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..config import EngramConfig
 from ..errors import EngramError
+from ..placement_table import PLACEMENTS, WHOLE
+from ..placement_table import placement as placement_spec
 from ..tablefile import open_tables
-from .base import PLACEMENTS, Prefetch, TableIOError, TableStore, shard_range, split_by_rows
+from .base import Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .metrics import METRICS
 from . import rowio
-from .placements import DeviceStore, DiskStore, HostStore
 
 logger = logging.getLogger(__name__)
-
-_CLASSES = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}
-_OPTIONS = {
-    "device": set(),
-    "host": {"shared", "shm_dir", "huge_pages", "keep"},
-    "disk": {"threads", "direct", "retries", "dram_cache_bytes"},
-}
 
 
 def open_store(
@@ -39,16 +33,25 @@ def open_store(
     cache_bytes: int = 0,
     cache_profile: Optional[str | os.PathLike] = None,
     cache_options: Optional[dict] = None,
+    agree: Optional[Callable[[bool], bool]] = None,
     **options,
 ) -> dict[int, TableStore]:
     """Open every layer of a table directory in one placement: layer id -> TableStore.
 
     Parameters
     ----------
-    placement : "device" (device memory), "host" (host memory read over UVA) or "disk".
+    placement : a placement of the table in placement_table.py: "device" (device memory),
+        "host" (host memory read over UVA) or "disk"; it names the store class and its options.
     cfg : when given, the tables must have been built for it.
     tp_rank, tp_size : this rank holds rows `shard_range(rows, tp_rank, tp_size)` of each
         layer; other ids read as +0.0 rows, so a sum over ranks reassembles them exactly.
+        Except where the placement table says a rank holds whole rows (host with `shared`:
+        one copy per node that every rank maps) and the caller can do without the sum:
+    agree : given by a caller that skips the all-reduce where every store holds whole rows
+        (`TableStore.holds_whole_rows`); called once with this rank's answer, it returns
+        the answer of all ranks of the group (true only if true on every rank: a rank whose
+        shared copy fell back to a private shard makes every rank keep its shard). None
+        (the default) at tp_size > 1: every rank holds a shard, as the caller sums them.
     backend : gather backend ("auto" lets the device probe choose).
     cache_bytes : device bytes (all layers of this rank) of a hot-row cache in front of a
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
@@ -61,16 +64,18 @@ def open_store(
 
     A placement that cannot be honoured raises; it never falls back to another tier.
     """
-    if placement not in _CLASSES:
-        raise EngramError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
-    if cache_bytes and placement == "device":
-        raise EngramError("placement device already holds the table in device memory: a hot-row cache serves host or disk")
-    unknown = set(options) - _OPTIONS[placement]
+    spec = placement_spec(placement)
+    if cache_bytes and not spec.cache_in_front:
+        raise EngramError(f"placement {placement} already holds the table in device memory: a hot-row cache serves "
+                          f"{' or '.join(p for p in PLACEMENTS if placement_spec(p).cache_in_front)}")
+    unknown = set(options) - spec.option_names
     if unknown:
-        allowed = ", ".join(sorted(_OPTIONS[placement])) or "none"
+        allowed = ", ".join(sorted(spec.option_names)) or "none"
         raise EngramError(f"placement {placement} has no option(s) {', '.join(sorted(unknown))} (options: {allowed})")
     if "threads" in options:
         rowio.check_threads(options["threads"], "disk placement option threads")
+    whole = spec.rows_held(options) == WHOLE and (tp_size == 1 or agree is not None)
+    store_class = spec.store_class()
     tables = open_tables(table_dir, cfg)
     METRICS.get()  # the stores' Prometheus collectors register here, once per process
     dram = split_by_rows(options.pop("dram_cache_bytes", 0),
@@ -81,10 +86,18 @@ def open_store(
             row_range = shard_range(info.rows, tp_rank, tp_size)
             if dram[layer_id]:
                 options["dram_cache_bytes"] = dram[layer_id]
-            if placement == "host":  # a shared copy is named by and checked against these
-                options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]))
-            store = _CLASSES[placement](layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
+            if spec.rows_held(options) == WHOLE:  # the node's copy, named by and checked against these
+                options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]), whole_rows=whole)
+            store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
+        if tp_size > 1 and any(s.holds_whole_rows for s in stores.values()):
+            everywhere = all(s.holds_whole_rows for s in stores.values())
+            if agree is None or not agree(everywhere):
+                for layer_id, store in stores.items():
+                    store.hold_only(shard_range(store.rows, tp_rank, tp_size))
+        elif tp_size > 1 and agree is not None:
+            agree(False)  # every rank calls it the same number of times
+        for store in stores.values():
             logger.info("%s", store.describe())
     except BaseException:
         for store in stores.values():

@@ -7,6 +7,7 @@ whether the rows sit in device memory, registered host memory or a file is confi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,10 +15,12 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
-from ..config import PLACEMENTS  # noqa: F401  (re-exported)
 from ..errors import EngramError
+from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
+from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
 from . import maintenance
 from . import streams as streams_mod
@@ -129,6 +132,16 @@ class Prefetch:
             Prefetch.dropped += 1
 
 
+@dataclasses.dataclass(frozen=True)
+class ResidentTable:
+    """A store's packed rows [hi - lo, 264] as the gather op reads them: `table` itself, or
+    the device address `address` of its first row where that is set (host memory registered
+    with the GPU)."""
+
+    table: torch.Tensor
+    address: Optional[int] = None
+
+
 class TableStore(ABC):
     """One Engram layer's table in some placement.
 
@@ -137,11 +150,29 @@ class TableStore(ABC):
     layer_id : the Engram layer (a model layer index).
     rows : rows of the whole layer table (global row ids are in [0, rows)).
     row_range : (lo, hi), the rows this store holds; other ids read as +0.0 rows, so a sum
-        over tensor-parallel ranks reassembles the full rows exactly.
+        over tensor-parallel ranks reassembles the full rows exactly. (0, rows) where the
+        store holds whole rows (`holds_whole_rows`), which then need no sum.
     device : where gathered bf16 rows are returned.
+
+    What a cache in front or the runtime may ask of any store (the contract; the defaults
+    here are those of a store that has none of it):
+
+    * `needs_host_ids` : each call's ids visit the host (from the placement table);
+    * `resident_table` : the packed rows held in memory, or None;
+    * `read_packed(ids)` : packed rows of sorted distinct ids, as host arrays;
+    * `reads_ahead`, `read_ahead(ids)` : whether and how rows are read before the step
+      that needs them;
+    * `holds_whole_rows`, `hold_only(row_range)` : whole rows or a shard, and narrowing
+      whole rows to a shard (when not every rank of a group holds whole rows).
     """
 
     placement: str = "?"
+    needs_host_ids = False  # set from the placement table for each placement's class
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "placement" in vars(cls):  # a placement's own class: what the table says of it
+            cls.needs_host_ids = placement_spec(cls.placement).ids_visit_host
 
     def __init__(self, layer_id: int, path, rows: int, row_range: tuple[int, int], device: torch.device, backend: str):
         self.layer_id, self.path, self.rows = layer_id, path, rows
@@ -227,8 +258,6 @@ class TableStore(ABC):
         return self._executor
 
     # ------------------------------------------------------------- what placements add
-    needs_host_ids = False  # True where the ids must visit the host (the disk tier)
-
     @abstractmethod
     def _gather(self, ids: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[int]]:
         """The rows, and the number of distinct rows read when the placement dedupes."""
@@ -237,6 +266,47 @@ class TableStore(ABC):
     @abstractmethod
     def resident_bytes(self) -> int:
         """Bytes of this layer this store holds in memory (device or host)."""
+
+    # ------------------------------------------------------------- the contract
+    @property
+    def resident_table(self) -> Optional[ResidentTable]:
+        """The rows of `row_range`, packed, as the gather op reads them; None where the rows
+        are not held in memory (a file)."""
+        return None
+
+    def read_packed(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Packed rows [n, 264] of sorted distinct global row ids inside `row_range`, as a host
+        array (into `out` when given). This default reads them from the resident table."""
+        resident = self.resident_table
+        if resident is None:
+            raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds no packed rows to read")
+        local = torch.from_numpy(np.asarray(wanted, dtype=np.int64) - self.row_range[0])
+        rows = resident.table[local.to(resident.table.device)].cpu().numpy()
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether `read_ahead` keeps rows for a later step (a disk store with a DRAM cache)."""
+        return False
+
+    def read_ahead(self, ids) -> Optional[Future]:
+        """Start reading the rows of `ids` for a later step; None where nothing would keep them."""
+        return None
+
+    @property
+    def holds_whole_rows(self) -> bool:
+        """Whether this store holds every row of the layer (no tensor-parallel sum needed)."""
+        return tuple(self.row_range) == (0, self.rows)
+
+    def hold_only(self, row_range: tuple[int, int]) -> None:
+        """Serve only `row_range` from now on (other ids read as +0.0 rows), before the first
+        call. Stores that hold only their rows cannot widen or move them."""
+        if tuple(row_range) != tuple(self.row_range):
+            raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds rows {self.row_range}, "
+                              f"it cannot serve {tuple(row_range)} instead")
 
     def _account(self, n: int, seconds: float, unique: Optional[int] = None) -> None:
         """One call served: calls and rows on the device, in place (a replay counts too);
@@ -297,6 +367,7 @@ class TableStore(ABC):
                 "unique_ratio": unique / rows if rows else 1.0,
                 "gather_seconds": self._seconds,
                 "row_range": list(self.row_range),
+                "rows_held": "whole" if self.holds_whole_rows else "shard",
                 "resident_bytes": self.resident_bytes,
             }
 

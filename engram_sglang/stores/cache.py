@@ -79,6 +79,9 @@ class HotRowCache(TableStore):
         self.inner = inner
         self.placement = inner.placement
         self.needs_host_ids = inner.needs_host_ids
+        if not self.needs_host_ids and inner.resident_table is None:
+            raise EngramError(f"engram layer {self.layer_id}: a hot-row cache reads misses from the store below's "
+                              f"resident table or by its host reads; placement {inner.placement} has neither")
         if maintain_every < 0:
             raise EngramError(f"hot-row cache: maintain_every must be >= 0, got {maintain_every}")
         slots = plan_slots(cache_bytes, ways, sketch_depth=sketch_depth)
@@ -157,9 +160,10 @@ class HotRowCache(TableStore):
                 lower, unique, fault = self._lower_from_host(flat, hit)
             else:
                 # -1 lies outside every row range: hits cost the tier below no read at all.
-                # table_address: the table as the op reads it (a host store's device address).
-                lower = gather_dequant(self.inner.table, torch.where(hit, -1, flat), row_range=self.inner.row_range,
-                                       backend=self.backend, table_address=self.inner.table_address)
+                # The resident table as the op reads it (a host store's device address).
+                below = self.inner.resident_table
+                lower = gather_dequant(below.table, torch.where(hit, -1, flat), row_range=self.inner.row_range,
+                                       backend=self.backend, table_address=below.address)
                 unique = None
             rows = torch.where(hit.unsqueeze(-1), cached, lower).view(*ids.shape, ROW_VALUES)
             if out is not None:
@@ -209,10 +213,10 @@ class HotRowCache(TableStore):
         if ids.numel() == 0:
             return self.cache_rows[:0]
         lo = self.row_range[0]
-        table = getattr(self.inner, "table", None)
-        if table is not None:
-            local = (ids - lo).to(table.device)
-            return table[local].to(self.device, non_blocking=True)
+        below = self.inner.resident_table
+        if below is not None:
+            local = (ids - lo).to(below.table.device)
+            return below.table[local].to(self.device, non_blocking=True)
         ids_h = ids.cpu().numpy()
         out = np.empty((ids_h.shape[0], ROW_BYTES), dtype=np.uint8)
         found = np.zeros(ids_h.shape[0], dtype=bool)
@@ -259,6 +263,17 @@ class HotRowCache(TableStore):
                                      None if self.needs_host_ids else new_reads - new_hits)
             super().maintain()
             return ids.numel()
+
+    # --------------------------------------------------- the contract, from the store below
+    @property
+    def reads_ahead(self) -> bool:
+        return self.inner.reads_ahead
+
+    def read_ahead(self, ids):
+        return self.inner.read_ahead(ids)
+
+    def read_packed(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        return self.inner.read_packed(wanted, out=out)
 
     def prewarm(self, profile: str | os.PathLike, fingerprint: Optional[str] = None) -> int:
         """Fill the cache with this layer's hottest profiled rows. Returns the rows added."""

@@ -46,8 +46,7 @@ class DiskStore(TableStore):
     reads rows into it before the step that needs them (a prefill's next chunk).
     """
 
-    placement = "disk"
-    needs_host_ids = True
+    placement = "disk"  # (its ids visit the host: needs_host_ids, from the placement table)
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
                  retries: int = 2, dram_cache_bytes: int = 0):
@@ -265,6 +264,10 @@ class DiskStore(TableStore):
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{name}-l{self.layer_id}")
             setattr(self, attr, pool)
         return pool
+
+    @property
+    def reads_ahead(self) -> bool:
+        return self.dram is not None
 
     def read_ahead(self, ids: torch.Tensor | np.ndarray) -> Optional[Future]:
         """Start reading the rows of `ids` (any shape; other shards' ids ignored) into the

@@ -22,7 +22,7 @@ from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmcopy
-from .base import TableStore
+from .base import ResidentTable, TableStore
 from .disk import DiskStore  # noqa: F401  (the third placement, re-exported)
 from .metrics import METRICS
 
@@ -40,6 +40,10 @@ class _WholeTableStore(TableStore):
         rows = gather_dequant(self.table, ids.to(self.device), out=out, row_range=self.row_range,
                               backend=self.backend, table_address=self.table_address)
         return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
+
+    @property
+    def resident_table(self) -> ResidentTable:
+        return ResidentTable(self.table, self.table_address)
 
 
 class DeviceStore(_WholeTableStore):
@@ -74,7 +78,7 @@ class HostStore(_WholeTableStore):
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, keep: bool = False,
-                 checksums: tuple[str, ...] = (), chunk_rows: int = 0):
+                 checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
         if self.device.type == "cuda":
@@ -109,6 +113,10 @@ class HostStore(_WholeTableStore):
                     layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1,
                 )
         first, last = (0, rows) if spec is not None else (lo, hi)
+        if whole_rows and spec is not None:
+            # The node's copy holds the whole layer: this rank reads the whole rows of its own
+            # tokens (no other rank's rows needed, no all-reduce; open_store's `agree`).
+            lo, hi = self.row_range = (0, rows)
         nbytes = (last - first) * ROW_BYTES
         # The shared copy is served read-only, unless the GPU cannot register read-only memory
         # (no ReadOnly registration flag: HIP, older CUDA devices), which then needs it writable.
@@ -122,9 +130,11 @@ class HostStore(_WholeTableStore):
         with warnings.catch_warnings():  # a read-only buffer: nothing here writes the table
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
+        self._mapped, self._first = mapped, first
         self.table = mapped[lo - first : hi - first]
-        # Registered: only the pages of the rows this rank reads (its shard of a shared layer),
-        # for this store's device; kernels read them by the device address the runtime gives.
+        # Registered: only the pages of the rows this rank reads (its shard of a shared layer,
+        # or the whole layer where it reads whole rows), for this store's device; kernels read
+        # them by the device address the runtime gives.
         self.registration: Optional[hostmem.Registration] = None
         if self.device.type == "cuda" and hi > lo:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -137,6 +147,18 @@ class HostStore(_WholeTableStore):
     @property
     def resident_bytes(self) -> int:
         return self.memory.nbytes
+
+    def hold_only(self, row_range: tuple[int, int]) -> None:
+        """Narrow whole rows to a shard (a peer rank holds only its shard): the mapping and its
+        registration stay, the table the op reads becomes the shard's rows."""
+        lo, hi = row_range
+        first = self._first
+        if not first <= lo <= hi <= first + self._mapped.shape[0]:
+            super().hold_only(row_range)  # raises: rows this store does not map
+        self.table = self._mapped[lo - first : hi - first]
+        self.row_range = (lo, hi)
+        if self.registration is not None:
+            self.table_address = self.registration.device_pointer(self.table.data_ptr())
 
     def stats(self) -> dict:
         s = super().stats()
