@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import profiling
 
     profiling.add_parser(sub)
+
+    from .analysis import ablate, scan
+
+    ablate.add_parser(sub)
+    scan.add_parser(sub)
     return parser
 
 

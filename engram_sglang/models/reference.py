@@ -104,7 +104,7 @@ class ReferenceModel:
             ids = hash_ids[keep, i].reshape(-1).numpy()
             packed = torch.from_numpy(self.tables[layer_id][ids])
             rows = torch.zeros(*hash_ids[:, i].shape, self.engram.head_dim, dtype=torch.bfloat16)
-            rows[keep] = dequantize(packed).view(keep.numel(), hash_ids.shape[2], -1)
+            rows[keep] = dequantize(packed).view(keep.numel(), hash_ids.shape[2], self.engram.head_dim)
             out[layer_id] = rows
         return out
 

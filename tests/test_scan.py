@@ -1,0 +1,88 @@
+"""`engram-sglang scan`: attribution and rank correlation on a corpus whose answers are known
+by hand, and read counts on the demo model checked against the hasher alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from demo_support import demo_dir, reference
+from engram_sglang.analysis.inputs import documents
+from engram_sglang.analysis.scan import Corpus, layer_order, run_scan
+from engram_sglang.cli import main
+
+CODE = Path(os.__file__).parent / "bisect.py"  # held out from the demo's tables
+
+
+class Spaced:
+    """A tokenizer stand-in: token ids joined by spaces."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def hand_corpus() -> Corpus:
+    """One document 1 2 1 2 1 3; bigrams (1,2) at positions 1, 3; (2,1) at 2, 4; (1,3) at 5.
+    Two heads; head 0 puts (1,3) in (1,2)'s row 10 (a collision); position 0 has a padded
+    look-back (rows 100, 101) and no bigram."""
+    tokens = np.array([1, 2, 1, 2, 1, 3])
+    head0 = [100, 10, 20, 10, 20, 10]
+    head1 = [101, 11, 21, 11, 21, 31]
+    ids = np.stack([head0, head1], axis=1)[:, None, :]  # [T, layers=1, columns=2]
+    gates = np.array([0.1, 0.9, 0.2, 0.7, 0.3, 0.5], dtype=np.float32)[:, None]
+    return Corpus(tokens, tokens.copy(), np.arange(6), ids, gates)
+
+
+def test_gate_attribution_and_read_counts_by_hand():
+    s = layer_order(hand_corpus(), Spaced(), 0, 2, n_heads=2, top=2, min_count=2)
+    assert [(g["ngram"], g["count"]) for g in s["top_gate"]] == [("1 2", 2), ("2 1", 2)]
+    assert [g["mean_gate"] for g in s["top_gate"]] == pytest.approx([0.8, 0.25])
+    assert s["ngrams"] == 3 and s["ngrams_min_count"] == 2 and s["reads"] == 12 and s["rows_read"] == 7
+    first, second = s["top_rows"]
+    assert first == {"ngram": "1 2", "reads": 3, "mean_gate": pytest.approx(0.7), "other_ngrams": 1, "rows": [10, 11]}
+    assert second["ngram"] == "2 1" and second["rows"] == [20, 21] and second["reads"] == 2
+    # Rank correlation over every row read: (reads, mean gate) per row, written out by hand.
+    reads = [3, 2, 1, 2, 2, 1, 1]  # rows 10, 20, 100, 11, 21, 31, 101
+    gate = [0.7, 0.25, 0.1, 0.8, 0.25, 0.5, 0.1]
+    assert s["spearman_gate_vs_reads"] == pytest.approx(spearmanr(gate, reads).statistic)
+
+
+def test_scan_on_the_demo_model_counts_what_the_hasher_reads(tmp_path, capsys):
+    ref = reference()
+    tok = ref.tokenizer
+    out = run_scan(ref, tok, [CODE], chunk_tokens=64, max_docs=3, top=3)
+    docs = documents(tok, CODE, 64, 3)
+    ids = torch.cat([ref.hasher.hash_sequence(torch.tensor(d)) for d in docs]).numpy()  # [T, layers, columns]
+    H = ref.engram.n_heads
+    for i, L in enumerate(ref.engram.layer_ids):
+        for n in range(2, ref.engram.max_ngram_size + 1):
+            s = out["layers"][str(L)][str(n)]
+            cols = ids[:, i, (n - 2) * H:(n - 1) * H].reshape(-1)
+            assert s["reads"] == cols.size
+            top = s["top_rows"][0]
+            rows, counts = np.unique(cols, return_counts=True)
+            assert top["reads"] == counts.max() and counts[np.searchsorted(rows, top["rows"][0])] == counts.max()
+            # The n-gram named for the row really hashes to it.
+            gram = tok(top["ngram"], add_special_tokens=False)["input_ids"]
+            if len(gram) == n:
+                assert top["rows"][0] in ref.hasher.hash_sequence(torch.tensor(gram)).numpy()[-1, i]
+            assert all(0 < g["mean_gate"] < 1 for g in s["top_gate"])
+            assert -1 <= s["spearman_gate_vs_reads"] <= 1
+    assert "Spearman" in capsys.readouterr().out
+
+
+def test_scan_cli_json_and_a_missing_file(tmp_path, capsys):
+    assert main(["scan", "--model", str(demo_dir()), str(CODE), "--chunk-tokens", "64", "--max-docs", "1",
+                 "--json", str(tmp_path / "s.json")]) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert "attributed whole to each of its n-grams" in data["attribution"] and data["documents"] == 1
+    capsys.readouterr()
+    assert main(["scan", "--model", str(demo_dir()), str(tmp_path / "nope.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.txt: no such file or directory" in err
