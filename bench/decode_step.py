@@ -12,9 +12,12 @@ the samples of every variant interleaved so drift hits all alike:
 
   * a no-Engram baseline, and each placement (device, host; disk with --disk) with
     prefetch on and off, at decode batches 64 and 256 (and one prefill chunk, --prefill);
-  * with --graphs (GPU), the same decode steps captured once in a CUDA graph and replayed
-    (placements whose store needs no host ids: device and host); a failed capture is
-    reported in the table and JSON, not raised.
+  * with --graphs (GPU), the same decode steps captured once in a CUDA graph and replayed:
+    device and host as they are; disk with its rows staged before each replay (the host
+    hashes the step, reads its rows into fixed device buffers, then the graph replays:
+    serving/staged_rows.py, what --engram-disk-graphs does in SGLang), so one GPU run shows
+    disk graphs on vs off beside host; a failed capture is reported in the table and JSON,
+    not raised. A CPU run lists these rows as "needs a GPU".
 
 Engram conv: a per-request conv state, the last (kernel - 1) x dilation conv inputs of each
 request in a static [batch, 12, hidden] buffer (shifted each step), as a serving engine
@@ -58,7 +61,9 @@ from engram_sglang.config import EngramConfig  # noqa: E402
 from engram_sglang.errors import EngramError  # noqa: E402
 from engram_sglang.hashing import EngramLayout, NgramHasher  # noqa: E402
 from engram_sglang.layer import EngramLayer  # noqa: E402
+from engram_sglang.serving.staged_rows import StagedRows  # noqa: E402
 from engram_sglang.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits  # noqa: E402
+from engram_sglang.stores import maintenance  # noqa: E402
 from engram_sglang.stores import open_store  # noqa: E402
 from engram_sglang.tablefile import open_tables, write_tables  # noqa: E402
 
@@ -258,8 +263,15 @@ class Variant:
                      for L in hz.cfg.layer_ids} if shape == "decode" else {}
         self.last = {L: torch.zeros(t, hz.args.hidden, dtype=hz.dtype, device=dev) for L in hz.cfg.layer_ids}
         self.h_out = torch.zeros(t, hz.args.hidden, dtype=hz.dtype, device=dev)
+        # A captured step of a host-reading placement (disk) reads its rows from fixed buffers
+        # the host fills before each replay (serving/staged_rows.py, as the plugin does).
+        self.staged = None
+        if graphs and self.host_ids:
+            self.staged = StagedRows(self.stores, hz.engram_index, hz.cfg.hash_columns, dev)
+            self.staged.reserve(t)
         self.graph = None
         self.error = ""
+        self.na = ""  # why this variant cannot run here (no GPU), not an error
         self.samples: list[float] = []
         self.reset()
 
@@ -285,17 +297,26 @@ class Variant:
         if self.host_ids:
             self.tok_c.copy_(src_c)
 
+    def hash_step(self) -> torch.Tensor:
+        """This step's row ids [T, layers, C] (on the host for a host-reading placement); a
+        decode step's tokens are committed to each request's history."""
+        if self.host_ids:
+            tok, pos, hist, lens = self.tok_c, self.pos_c, self.hist_c, self.lens_c
+        else:
+            tok, pos, hist, lens = self.tok, self.pos, self.hist, self.lens
+        ids = self.hz.hasher.hash_batch(tok, pos, hist, lens)[0]
+        if self.shape == "decode":
+            hist.copy_(torch.cat([hist[:, 1:], tok.unsqueeze(1)], 1))
+        return ids
+
     def forward(self):
         hz = self.hz
         ids = handles = None
-        if self.stores is not None:
-            if self.host_ids:
-                tok, pos, hist, lens = self.tok_c, self.pos_c, self.hist_c, self.lens_c
-            else:
-                tok, pos, hist, lens = self.tok, self.pos, self.hist, self.lens
-            ids = hz.hasher.hash_batch(tok, pos, hist, lens)[0].transpose(0, 1).contiguous()  # [layers, T, C]
-            if self.shape == "decode":  # commit the step's token to each request's history
-                hist.copy_(torch.cat([hist[:, 1:], tok.unsqueeze(1)], 1))
+        if self.stores is not None and self.staged is not None and maintenance.capturing():
+            # Captured: the rows are staged before each replay (step()); nothing here reads the host.
+            handles = [self.staged.handle(L, self.tokens_per_step) for L in hz.cfg.layer_ids]
+        elif self.stores is not None:
+            ids = self.hash_step().transpose(0, 1).contiguous()  # [layers, T, C]
             if self.prefetch:
                 handles = [self.stores[L].prefetch(ids[j]) for j, L in enumerate(hz.cfg.layer_ids)]
         h = F.embedding(self.tok, hz.embed)
@@ -316,6 +337,8 @@ class Variant:
     def step(self):
         self.load_tokens()
         if self.graph is not None:
+            if self.staged is not None:  # the host hashes the step and reads its rows, then the replay
+                self.staged.stage(self.hash_step())
             self.graph.replay()
         else:
             self.forward()
@@ -398,14 +421,14 @@ def run_group(hz: Harness, shape: str, batch: int, placements: list[str], graphs
     for p in placements:
         for pre in (True, False):
             variants.append(Variant(hz, shape, batch, p, pre, False))
+    # Captured variants: every placement, prefetch on and off; a host-reading one (disk) with
+    # its rows staged before each replay, which is a prefetch (every layer's read at once).
+    graphed = [(p, pre) for p in placements for pre in (True, False)
+               if pre or not any(s.needs_host_ids for s in hz.stores[p].values())]
     if graphs and shape == "decode":
         variants.append(Variant(hz, shape, batch, None, False, True))
-        for p in placements:
-            for pre in (True, False):
-                v = Variant(hz, shape, batch, p, pre, True)
-                if v.host_ids:
-                    continue  # its ids visit the host: not capturable
-                variants.append(v)
+        for p, pre in graphed:
+            variants.append(Variant(hz, shape, batch, p, pre, True))
         for v in variants:
             if v.graphs:
                 try:
@@ -468,12 +491,37 @@ def run_group(hz: Harness, shape: str, batch: int, placements: list[str], graphs
                                                  for L, t in outs.items())
                     r["hidden_bits_equal_device"] = torch.equal(bf16_bits(hidden), bf16_bits(ref[1]))
         results.append(r)
+    if not graphs and shape == "decode":  # the same rows, said to need a GPU, so a CPU run shows what one decides
+        for p, pre in [(None, False)] + graphed:
+            name = ("baseline" if p is None else f"{p} {'prefetch' if pre else 'inline'}") + " graph"
+            results.append({"shape": shape, "batch": batch, "tokens_per_step": batch, "variant": name,
+                            "placement": p or "none", "prefetch": pre, "graphs": True, "error": "",
+                            "na": "needs a GPU"})
     for v in variants:
         v.graph = None
     return results
 
 
 # ------------------------------------------------------------------ report
+def disk_graph_summary(results: list[dict]) -> dict:
+    """Per decode batch, what decides --engram-disk-graphs: the disk placement's staged graph
+    step against its eager step and against the host placement's graph step (throughput
+    ratios, > 1: the staged graph is faster)."""
+    ms = {(r["batch"], r["variant"]): r["ms_per_step"] for r in results if r["shape"] == "decode" and "ms_per_step" in r}
+    out, lines = {}, []
+    for batch in sorted({b for b, _ in ms} | {r["batch"] for r in results if r["shape"] == "decode"}):
+        graph = ms.get((batch, "disk prefetch graph"))
+        if graph is None:
+            lines.append(f"disk staged graph, decode {batch}: needs a GPU")
+            continue
+        vs_eager = ms[(batch, "disk prefetch")] / graph if (batch, "disk prefetch") in ms else None
+        vs_host = ms[(batch, "host prefetch graph")] / graph if (batch, "host prefetch graph") in ms else None
+        out[str(batch)] = {"graph_ms": graph, "vs_eager": vs_eager, "vs_host_graph": vs_host}
+        lines.append(f"disk staged graph, decode {batch}: {graph:.3f} ms/step, x{vs_eager or float('nan'):.3f} vs disk "
+                     f"eager, x{vs_host or float('nan'):.3f} vs host graph (throughput)")
+    return {"batches": out, "lines": lines}
+
+
 def plot(results: list[dict], lim: dict, title: str, path: Path) -> None:
     import matplotlib
 
@@ -532,7 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time one prefill chunk of this many tokens")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     ap.add_argument("--check-steps", type=int, default=3, help="the bit check compares this step's outputs")
-    ap.add_argument("--disk", action="store_true", help="also the disk placement (eager only)")
+    ap.add_argument("--disk", action="store_true", help="also the disk placement (captured too with --graphs: "
+                    "rows staged before each replay)")
     ap.add_argument("--graphs", action="store_true", help="also CUDA-graph capture of the decode step (GPU)")
     ap.add_argument("--backend", default="auto", help="gather backend (auto: the device probe's choice)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
@@ -609,7 +658,7 @@ def main(argv=None) -> int:
     table = []
     for r in results:
         if "ms_per_step" not in r:
-            table.append([r["shape"], r["batch"], r["variant"], "-", "-", "-", "-", "-", "-", r["error"]])
+            table.append([r["shape"], r["batch"], r["variant"], "-", "-", "-", "-", "-", "-", r.get("na") or r["error"]])
             continue
         rows_per_step = r["tokens_per_step"] * cfg.hash_columns * len(cfg.layer_ids)
         if "h2d_pinned_GBps" in lim and r["placement"] == "host":
@@ -643,6 +692,10 @@ def main(argv=None) -> int:
     print(f"\nhost/device decode throughput: min {summary['host_vs_device_decode_min']}"
           f" (goal >= 0.98 on a GPU); Engram outputs bit-identical to device: {bits_ok}; "
           f"{len(errors)} variant error(s); {summary['seconds']} s")
+    if args.disk:
+        summary["disk_graphs"] = disk_graph_summary(results)
+        for line in summary["disk_graphs"]["lines"]:
+            print(line)
     for p in placements:
         for s in hz.stores[p].values():
             s.close()

@@ -416,11 +416,14 @@ def check_compile(ctx: Ctx):
 
 
 def check_decode_step(ctx: Ctx, timeout: float):
-    """bench/decode_step.py (model-shaped decode steps, device vs host tables, bit check of every
-    placement's Engram outputs) with --graphs on a GPU, tiny under --dry-run; a subprocess."""
+    """bench/decode_step.py (model-shaped decode steps, device vs host vs disk tables, bit check of
+    every placement's Engram outputs) with --graphs on a GPU (disk: rows staged before each replay),
+    tiny under --dry-run; a subprocess."""
     import json
 
-    args = ["--out", str(ctx.out_dir), "--table-dir", str(ctx.scratch / "decode-table")]
+    # --disk: the disk placement eager and, on a GPU, captured with its rows staged before each
+    # replay (--engram-disk-graphs), beside host: the one run that decides whether it pays.
+    args = ["--out", str(ctx.out_dir), "--table-dir", str(ctx.scratch / "decode-table"), "--disk"]
     if ctx.gpu:
         args += ["--graphs", "--steps", "10", "--repeats", "3"]
         args += ["--table-gib", "1", "--batches", "64"] if ctx.quick else ["--table-gib", "2", "--batches", "64,256"]
@@ -434,8 +437,10 @@ def check_decode_step(ctx: Ctx, timeout: float):
     if not result.exists():
         raise RuntimeError(f"decode_step.py exited {rc} and wrote no {result.name}")
     summary = json.loads(result.read_text())["summary"]
+    disk = "; ".join((summary.get("disk_graphs") or {}).get("lines", []))
     line = (f"host/device decode throughput min {summary['host_vs_device_decode_min']}, Engram bits equal to "
-            f"device {summary['bits_equal_device']}, {len(summary['errors'])} variant error(s)")
+            f"device {summary['bits_equal_device']}, {len(summary['errors'])} variant error(s)"
+            + (f"; {disk}" if disk else ""))
     if rc != 0:
         raise AssertionError(f"decode_step.py exited {rc}: {line}; {'; '.join(summary['errors'])[:300]}")
     return line, {"decode_step": summary}

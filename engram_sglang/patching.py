@@ -44,6 +44,8 @@ TARGETS: tuple[Target, ...] = (
     Target("sglang.srt.model_executor.pool_configurator", "DefaultPoolConfigurator._compute_cell_size", "wraps"),
     Target("sglang.srt.model_executor.model_runner", "ModelRunner._init_post_memory_pool_components", "wraps"),
     Target("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "wraps"),
+    Target("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.capture", "wraps"),
+    Target("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.execute", "wraps"),
 )
 
 TARGET_MODULES: tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))

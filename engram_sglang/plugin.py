@@ -61,6 +61,7 @@ def load() -> None:
     _after_import("sglang.srt.managers.scheduler", _read_ahead_prefill_chunks)
     _after_import("sglang.srt.model_executor.pool_configurator", _count_engram_bytes_per_kv_token)
     _after_import("sglang.srt.model_executor.model_runner", _patch_model_runner)
+    _after_import("sglang.srt.model_executor.runner.decode_cuda_graph_runner", _stage_disk_rows_before_replays)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -89,7 +90,8 @@ def _prepare_server_args(original, argv, *args, **kwargs):
     try:
         export_flags(list(argv))
         settings = ServeSettings.from_env()
-        extra, why = graph_args(settings.placement, list(argv), trace=settings.trace)
+        extra, why = graph_args(settings.placement, list(argv), trace=settings.trace,
+                                disk_graphs=settings.disk_graphs)
     except EngramError as e:
         print(f"engram-sglang: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -166,6 +168,27 @@ def _allocate_engram_buffers_with_kv_pool(module) -> None:
         return out
 
     wrap_method(module.ModelRunner, "_init_post_memory_pool_components", _init_post_memory_pool_components)
+
+
+def _stage_disk_rows_before_replays(module) -> None:
+    """--engram-disk-graphs: the staged rows' buffers are made before the decode graphs are
+    captured (sized for the largest), and filled before every replay (serving/staged_rows.py).
+    A runtime without staged rows makes both a no-op."""
+
+    def capture(original, self, *args, **kwargs):
+        from .serving import staged_rows
+
+        staged_rows.reserve_for_capture(self.model_runner.model, self.max_bs * self.captured_req_width)
+        return original(self, *args, **kwargs)
+
+    def execute(original, self, forward_batch, *args, **kwargs):
+        from .serving import staged_rows
+
+        staged_rows.stage_before_replay(self.model_runner.model, forward_batch)
+        return original(self, forward_batch, *args, **kwargs)
+
+    wrap_method(module.DecodeCudaGraphRunner, "capture", capture)
+    wrap_method(module.DecodeCudaGraphRunner, "execute", execute)
 
 
 def _patch_model_runner(module) -> None:

@@ -3,7 +3,8 @@
 Checks that the JSON has every variant of every step shape, and that every placement's
 Engram outputs of the checked step are bit-identical (bf16 bit patterns) to the device
 placement's; and, in-process, that the harness's per-request conv state reproduces
-EngramLayer over a whole sequence.
+EngramLayer over a whole sequence, and that its staged disk graph step (rows staged before
+each replay, the captured forward reading only the buffers) equals the device placement's.
 """
 
 from __future__ import annotations
@@ -51,11 +52,17 @@ def test_every_variant_of_every_shape_is_timed(run):
     seen = {}
     for r in report["results"]:
         assert not r["error"], r
+        if r.get("na"):  # the captured variants, which a CPU run lists but cannot time
+            assert r["na"] == "needs a GPU" and r["graphs"] and r["shape"] == "decode", r
+            seen.setdefault(("graph", r["batch"]), set()).add(r["variant"])
+            continue
         assert r["ms_per_step"] > 0 and r["steps_per_s"] > 0 and r["layer_ms"] > 0, r
         seen.setdefault((r["shape"], r["batch"]), set()).add(r["variant"])
         if r["placement"] != "none":
             assert r["vs_device"] > 0 and r["engram_ms"] is not None, r
-    assert seen == {g: VARIANTS for g in groups}
+    graphed = {f"{v} graph" for v in VARIANTS - {"disk inline"}}  # disk's captured step is staged: a prefetch
+    assert seen == {**{g: VARIANTS for g in groups}, **{("graph", b): graphed for b in BATCHES}}
+    assert f"disk staged graph, decode {BATCHES[0]}: needs a GPU" in stdout
     assert report["summary"]["bits_equal_device"] is True
     assert report["summary"]["errors"] == []
     assert report["limits"]["host_copy_GBps"] > 0
@@ -66,7 +73,7 @@ def test_every_variant_of_every_shape_is_timed(run):
 def test_engram_outputs_bit_identical_to_device_placement(run):
     report, dump, _ = run
     for r in report["results"]:
-        if r["placement"] != "none":
+        if r["placement"] != "none" and not r.get("na"):
             assert r["bits_equal_device"] is True and r["engram_finite"] is True, r
     compared = 0
     for shape, batch in [("decode", b) for b in BATCHES] + [("prefill", PREFILL)]:
@@ -110,3 +117,50 @@ def test_decode_conv_state_matches_the_sequence_layer():
         stale = torch.cat([engram_decode(layer, h[i : i + 1], rows[i : i + 1], torch.zeros(1, layer.reach, 32))
                            for i in range(t)])
     assert not torch.allclose(stale, want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_staged_disk_graph_variant_matches_device_placement(tmp_path, monkeypatch):
+    """The harness's captured disk step, on the CPU: its "graph" is forward() run as a capture
+    sees it (maintenance.capturing() True: no hashing on the host, rows from the staged
+    buffers), replayed after step() hashed the tokens on the host and staged the rows. Step
+    by step, its Engram outputs equal the device placement's eager ones bit for bit; a
+    replay without the staging (negative control) does not."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode_step as ds
+    from types import SimpleNamespace
+
+    from engram_sglang.stores import maintenance, open_store
+
+    torch.set_grad_enabled(False)
+    args = SimpleNamespace(layers=4, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=32, context=8,
+                           vocab=512, batch_list=[8], prefill=0)
+    cfg = ds.harness_config("deepseek-v4.1-flash", ENGRAM_LAYERS, 0.005, args.vocab)
+    table_dir, _ = ds.ensure_tables(cfg, tmp_path / "tables")
+    hz = ds.Harness(args, cfg, torch.device("cpu"))
+    for p in ("device", "disk"):
+        hz.stores[p] = open_store(table_dir, p, "cpu", cfg=cfg)
+    try:
+        ref = ds.Variant(hz, "decode", 8, "device", True, False)
+        disk = ds.Variant(hz, "decode", 8, "disk", True, True)
+        assert disk.staged is not None and sorted(disk.staged.layers) == list(ENGRAM_LAYERS)
+
+        def replay():
+            with monkeypatch.context() as m:
+                m.setattr(maintenance, "capturing", lambda: True)
+                disk.forward()
+
+        disk.graph = SimpleNamespace(replay=replay)
+        for k in range(4):
+            ref.step()
+            disk.step()
+            for L in ENGRAM_LAYERS:
+                assert torch.equal(bf16_bits(disk.last[L]), bf16_bits(ref.last[L])), (k, L)
+        stage, disk.staged.stage = disk.staged.stage, lambda ids: None  # the rows of the previous step stay
+        ref.step()
+        disk.step()
+        assert not all(torch.equal(bf16_bits(disk.last[L]), bf16_bits(ref.last[L])) for L in ENGRAM_LAYERS)
+        disk.staged.stage = stage
+    finally:
+        for stores in hz.stores.values():
+            for s in stores.values():
+                s.close()

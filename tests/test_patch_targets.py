@@ -24,7 +24,7 @@ PACKAGE = ROOT / "engram_sglang"
 def test_every_patch_target_exists_in_the_installed_sglang():
     pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
     assert patching.sglang_version() == SGLANG_TESTED, "the venv's SGLang is not the release the targets name"
-    assert len(TARGETS) == 11  # the list below, so a target dropped from TARGETS shows up here
+    assert len(TARGETS) == 13  # the list below, so a target dropped from TARGETS shows up here
     names = sorted(t.name for t in TARGETS)
     assert names == sorted([
         "sglang.srt.server_args.prepare_server_args",
@@ -38,6 +38,8 @@ def test_every_patch_target_exists_in_the_installed_sglang():
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
         "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture",
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     ])
     for name in patching.TARGET_MODULES:
         module = importlib.import_module(name)

@@ -286,7 +286,8 @@ def _build_runtime(cfg: EngramConfig, settings):
         parallel = get_parallel()
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, torch.get_default_device(),
                                 tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
-        check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace)
+        check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
+                         staged=runtime.staged is not None)
     except EngramError as e:
         # SGLang prints the traceback of a failed scheduler; this line says what to fix.
         logger.error("engram-sglang: %s", e)

@@ -32,6 +32,7 @@ DISABLED = "disabled"
 PHASE_FLAGS = {phase: f"--cuda-graph-backend-{phase}" for phase in PHASES}
 LEGACY_OFF = "--disable-cuda-graph"
 PHASE_OFF = {"decode": "--disable-decode-cuda-graph", "prefill": "--disable-prefill-cuda-graph"}
+OVERLAP_OFF = "--disable-overlap-schedule"
 
 
 def placement_needs_host_ids(placement: str) -> bool:
@@ -50,11 +51,27 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
-def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None) -> tuple[list[str], Optional[str]]:
+def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None,
+               disk_graphs: bool = False) -> tuple[list[str], Optional[str]]:
     """SGLang flags to add for this placement (and trace setting) and the line that says
     why (None: nothing to add). Raises EngramConfigError (one line) when argv asks for a
-    CUDA graph explicitly while the step cannot run in one."""
-    if not placement_spec(placement).capturable:
+    CUDA graph explicitly while the step cannot run in one. `disk_graphs` (--engram-disk-graphs):
+    a host-reading placement keeps decode graphs (rows staged before each replay,
+    serving/staged_rows.py) when the overlap scheduler is off; prefill graphs stay off."""
+    off = PHASES
+    if disk_graphs:
+        if placement_spec(placement).capturable:
+            raise EngramConfigError(f"--engram-disk-graphs on is for a placement that reads on the host (disk); "
+                                    f"--engram-placement {placement} keeps CUDA graphs without it: drop it")
+        if OVERLAP_OFF not in argv:
+            raise EngramConfigError(f"--engram-disk-graphs on needs {OVERLAP_OFF}: the overlap scheduler launches a "
+                                    f"decode step before its tokens reach the host, which reads the step's rows "
+                                    f"before the graph replays")
+    if not placement_spec(placement).capturable and disk_graphs and not trace:
+        why = (f"--engram-placement {placement} reads a prefill's row ids on the host inside the step, which a "
+               f"captured CUDA graph cannot replay (decode graphs kept: --engram-disk-graphs on)")
+        off = ("prefill",)
+    elif not placement_spec(placement).capturable:
         why = (f"--engram-placement {placement} reads each step's row ids on the host, which a captured CUDA graph "
                f"cannot replay")
     elif trace:
@@ -73,18 +90,20 @@ def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None)
                 backend = (config.get(phase) or {}).get("backend") if isinstance(config.get(phase), dict) else None
                 if backend is not None:
                     explicit[phase] = backend
-    asked = [f"{PHASE_FLAGS[p]} {b}" for p, b in explicit.items() if b is not None and b != DISABLED]
+    asked = [f"{PHASE_FLAGS[p]} {b}" for p, b in explicit.items() if p in off and b is not None and b != DISABLED]
     if asked:
-        raise EngramConfigError(f"{why}: drop {' and '.join(asked)} (CUDA graphs must stay off)")
+        raise EngramConfigError(f"{why}: drop {' and '.join(asked)} ({'prefill ' if off != PHASES else ''}CUDA graphs "
+                                f"must stay off)")
     if LEGACY_OFF in argv:
         return [], None
     add = []
-    for phase in PHASES:
+    for phase in off:
         if explicit[phase] is None and PHASE_OFF[phase] not in argv:
             add += [PHASE_FLAGS[phase], DISABLED]
     if not add:
         return [], None
-    return add, f"{why}: CUDA graphs off (added {' '.join(add)})"
+    which = "prefill CUDA graphs" if off != PHASES else "CUDA graphs"
+    return add, f"{why}: {which} off (added {' '.join(add)})"
 
 
 def graph_phases_on() -> list[str]:
@@ -105,15 +124,39 @@ def graph_phases_on() -> list[str]:
     return on
 
 
+def overlap_scheduling_on() -> bool:
+    """Whether SGLang's overlap scheduler runs in this process (True outside SGLang: unknown)."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return not get_schedule().disable_overlap_schedule
+    except Exception:  # not inside a configured SGLang process
+        return True
+
+
 def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] = None,
-                     trace: Optional[str] = None) -> None:
+                     trace: Optional[str] = None, staged: bool = False, overlap: Optional[bool] = None) -> None:
     """Refuse (EngramError, one line) stores that need host ids, or a step trace, when
-    SGLang will capture CUDA graphs on this device."""
+    SGLang will capture CUDA graphs on this device. `staged` (the runtime stages those
+    stores' decode rows before each replay: --engram-disk-graphs) allows decode graphs
+    while the overlap scheduler is off (`overlap`: None asks SGLang)."""
     import torch
 
     if torch.device(device).type != "cuda":
         return
     host = sorted({s.placement for s in stores if s.needs_host_ids})
+    if host and staged and not trace:
+        phases = graph_phases_on() if phases is None else list(phases)
+        overlap = overlap_scheduling_on() if overlap is None else overlap
+        if "decode" in phases and overlap:
+            raise EngramError(f"placement {', '.join(host)} with --engram-disk-graphs on stages each decode step's "
+                              f"rows before the replay, which needs the step's tokens on the host first: start "
+                              f"SGLang with {OVERLAP_OFF}")
+        if "prefill" in phases:
+            raise EngramError(f"placement {', '.join(host)} reads a prefill's row ids on the host inside the step, "
+                              f"which a captured CUDA graph cannot replay, but CUDA graphs are on for prefill: start "
+                              f"SGLang with --cuda-graph-backend-prefill disabled")
+        return
     if host:
         why = f"placement {', '.join(host)} reads each step's row ids on the host"
     elif trace:

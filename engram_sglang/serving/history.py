@@ -74,3 +74,15 @@ class StepHasher(EngramHasher):
             rows = torch.where(out_loc[last] == 0, self.pad_row, rows)
         self.history[rows] = newest_history(windows, last, n).to(self.history.dtype)
         return ids
+
+    def peek_decode(self, input_ids: torch.Tensor, forward_batch) -> torch.Tensor:
+        """Row ids [T, L, C] of a decode batch exactly as `forward` computes them, with the
+        history left as it is: the disk tier's staged rows read them before a CUDA-graph
+        replay whose forward then hashes (and commits) the same tokens (serving/staged_rows.py)."""
+        if self.history is None or not forward_batch.forward_mode.is_decode():
+            raise EngramError("peek_decode needs the history set up and a decode batch")
+        slots = forward_batch.req_pool_indices.to(torch.int64)
+        history = self.history[slots]
+        if self.corrupt_history:
+            history = torch.zeros_like(history)
+        return self.ngram.hash_batch(input_ids, forward_batch.positions, history, torch.ones_like(slots))[0]

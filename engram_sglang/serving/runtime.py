@@ -136,6 +136,13 @@ class EngramRuntime:
         # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
         self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
+        # --engram-disk-graphs: fixed buffers the captured decode forward reads for the layers
+        # whose stores read on the host, filled before each replay (serving/staged_rows.py).
+        self.staged = None
+        if settings.disk_graphs:
+            from .staged_rows import StagedRows
+
+            self.staged = StagedRows.for_runtime(self)
         # Hash column -> the store that keeps rows read ahead (a disk store's DRAM cache).
         self._ahead = {i: self.stores[L] for L, i in self.layer_index.items() if self.stores[L].reads_ahead}
         self._trace = _TraceWriter(settings.trace) if settings.trace else None
@@ -175,11 +182,17 @@ class EngramRuntime:
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
-        if self.settings.prefetch and prefetch and hash_ids.shape[0]:
+        # A captured decode forward reads the host-reading layers' rows from the staged
+        # buffers, which the plugin fills before every replay.
+        staged = self.staged if capturing and prefetch and self.staged is not None else None
+        if (self.settings.prefetch or staged is not None) and prefetch and hash_ids.shape[0]:
             # No host sync here: a store that reads on the host (disk) copies its column of
             # ids to pinned memory on this stream and its worker waits for that copy's event.
             for L, i in self.layer_index.items():
-                handles[L] = self.stores[L].prefetch(hash_ids[:, i])
+                if staged is not None and L in staged.layers:
+                    handles[L] = staged.handle(L, hash_ids.shape[0])
+                elif self.settings.prefetch:
+                    handles[L] = self.stores[L].prefetch(hash_ids[:, i])
         step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
         if not capturing:
             self._open_step = step

@@ -60,6 +60,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("cache-profile", "str", None, "pre-warm the hot-row cache from this `engram-sglang profile` file"),
     Knob("prefetch", "bool", True, "gather every Engram layer's rows at the start of the step (off: gather "
          "inside each Engram layer)"),
+    Knob("disk-graphs", "bool", False, "disk placement: keep decode CUDA graphs, each step's rows staged into fixed "
+         "device buffers before the replay (needs SGLang's --disable-overlap-schedule; see docs/architecture.md)"),
     Knob("mode", "choice", "on", "which tokens use Engram: on, off, prefill (prompt positions), decode (generated "
          "positions); see docs/engram.md", ("on", "off", "prefill", "decode")),
     Knob("ablation", "bool", False, "take a per-request Engram mode in sampling_params.custom_params[\"engram\"] "
@@ -86,6 +88,7 @@ class ServeSettings:
     cache_mib: int = 0
     cache_profile: Optional[str] = None
     prefetch: bool = True
+    disk_graphs: bool = False
     mode: str = "on"
     ablation: bool = False
     trace: Optional[str] = None
