@@ -1,0 +1,87 @@
+"""End to end on CPU: tensor parallelism (`--tp-size 2`) through gloo.
+
+SGLang 0.5.23 cannot start TP > 1 on its in-tree CPU platform (every model-parallel group
+builds a PyNccl communicator: "Expected a cuda device"). The test server runs on an
+out-of-tree copy of that platform with PyNccl switched off (tests/cpu_gloo_platform/), so
+the all-reduce goes to torch.distributed's gloo group; nothing of it ships.
+
+Two servers with host placement: private copies, where each rank holds half of every
+layer's rows and the ranks sum their rows (the runtime's all-reduce), and the node's one
+shared copy, which both ranks map and read whole rows from. Completions equal the
+reference forward's in both.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from demo_support import demo_dir, reference, reference_completion
+from engram_sglang.serving.launch import Server
+from parallel_support import check_one_copy_per_layer, copies, mapped_copies, private_shm_dir, prompts, table_rows, \
+    thread_bind, use_gloo_platform
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+N_PROMPTS = 4
+
+
+def serve_tp2(tmp_path_factory, layout: str) -> dict:
+    """One TP 2 server with host placement (`layout`: private copies or the shared one): its
+    completions, the shared copies while it serves and after, and rank 0's statistics."""
+    work = tmp_path_factory.mktemp(f"tp-{layout}")
+    run = {"prompts": prompts(N_PROMPTS)}
+    with private_shm_dir(f"engram-test-tp-{layout}-") as shm:
+        engram = {"placement": "host", "shm_dir": shm, "host_shared": "on" if layout == "shared" else "off"}
+        server = use_gloo_platform(Server(demo_dir(), engram=engram, args=("--tp-size", "2"), max_total_tokens=1024,
+                                          log_path=work / "sglang.log",
+                                          env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()}))
+        with server:
+            with ThreadPoolExecutor(len(run["prompts"])) as pool:
+                outs = pool.map(lambda p: server.generate(p, NEW_TOKENS), run["prompts"])
+                run["outputs"] = [o["output_ids"] for o in outs]
+            run["files"] = copies(shm)
+            run["maps"] = mapped_copies(server.proc.pid, shm)
+            run["stats"] = server.engram_stats()
+        run["left"] = copies(shm)
+    return run
+
+
+@pytest.fixture(scope="module")
+def private_run(tmp_path_factory):
+    return serve_tp2(tmp_path_factory, "private")
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    return serve_tp2(tmp_path_factory, "shared")
+
+
+@pytest.mark.parametrize("run", ["private_run", "shared_run"])
+def test_tp2_completions_equal_the_reference(run, request):
+    got = request.getfixturevalue(run)
+    assert got["outputs"] == [list(reference_completion(tuple(p), NEW_TOKENS)) for p in got["prompts"]]
+
+
+def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private_run):
+    """Rank 0 holds the first part of each layer's rows, and the prompts read rows of the
+    other part too: their exact completions (above) needed rank 1's rows, i.e. the sum."""
+    rows = table_rows()
+    assert private_run["files"] == [] and private_run["maps"] == {}, (private_run["files"], private_run["maps"])
+    ref = reference()
+    for i, layer in enumerate(ref.engram.layer_ids):
+        table = next(t for t in private_run["stats"]["tables"] if t["layer_id"] == layer)
+        lo, hi = table["row_range"]
+        assert lo == 0 and 0 < hi < rows[layer] and not table["shared"], table
+        ids = [int(x) for p in private_run["prompts"] for x in ref.forward(p).hash_ids[:, i].flatten()]
+        assert any(x >= hi for x in ids) and any(x < hi for x in ids)
+
+
+def test_tp2_shared_copy_is_one_per_node_read_whole_and_removed_after(shared_run):
+    check_one_copy_per_layer(shared_run["files"], shared_run["maps"], ranks=2)
+    rows = table_rows()
+    for table in shared_run["stats"]["tables"]:
+        assert table["shared"] and table["row_range"] == [0, rows[table["layer_id"]]], table
+    assert shared_run["left"] == []
