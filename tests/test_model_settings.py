@@ -21,7 +21,7 @@ def test_defaults_and_environment():
     assert s.store_options() == {"threads": 8, "direct": True, "retries": 2}
     assert not s.prefetch and s.debug == ("skip-wait",)
     s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "yes", "ENGRAM_HUGE_PAGES": "off"})
-    assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False}
+    assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False, "whole_rows": True}
 
 
 @pytest.mark.parametrize("env, message", [

@@ -98,7 +98,7 @@ def test_a_placement_added_to_the_table_is_served_everywhere(tables, monkeypatch
     from engram_sglang.stores.placements import DeviceStore
 
     entry = Placement("hbm-copy", "engram_sglang.stores.placements:DeviceStore", (), ids_visit_host=False,
-                      capturable=False, whole_rows_with=None, cache_in_front=False, what="a test entry")
+                      capturable=False, whole_rows_with=(), cache_in_front=False, what="a test entry")
     monkeypatch.setitem(PLACEMENT_TABLE, "hbm-copy", entry)
     root, rows = tables
     stores = open_store(root, "hbm-copy", cfg=CFG)
@@ -116,12 +116,13 @@ def test_a_placement_added_to_the_table_is_served_everywhere(tables, monkeypatch
 
 def test_the_table_refuses_a_contradiction():
     with pytest.raises(EngramError, match="cannot be capturable"):
-        Placement("x", "m:C", (), ids_visit_host=True, capturable=True, whole_rows_with=None, cache_in_front=False,
+        Placement("x", "m:C", (), ids_visit_host=True, capturable=True, whole_rows_with=(), cache_in_front=False,
                   what="")
-    with pytest.raises(EngramError, match="is not one of its options"):
+    with pytest.raises(EngramError, match="are not all its options"):
         Placement("x", "m:C", (PlacementOption("a", "b"),), ids_visit_host=False, capturable=True,
-                  whole_rows_with="shared", cache_in_front=False, what="")
-    assert placement_table.placement("host").rows_held({"shared": True}) == placement_table.WHOLE
+                  whole_rows_with=("shared",), cache_in_front=False, what="")
+    assert placement_table.placement("host").rows_held({"shared": True}) == placement_table.WHOLE  # default on
+    assert placement_table.placement("host").rows_held({"shared": True, "whole_rows": False}) == placement_table.SHARD
     assert placement_table.placement("host").rows_held({"shared": False}) == placement_table.SHARD
     assert placement_table.placement("device").rows_held({"shared": True}) == placement_table.SHARD
 
@@ -215,13 +216,14 @@ def test_a_hot_row_cache_in_front_of_whole_rows_covers_the_whole_table(tables, t
             _close(stores)
 
 
-def _runtime(root, tmp_path, monkeypatch, shared: bool, tp_rank: int = 0):
+def _runtime(root, tmp_path, monkeypatch, shared: bool, tp_rank: int = 0, whole: bool = True):
     from engram_sglang.hashing import NgramHasher
     from engram_sglang.serving import runtime as runtime_mod
 
     monkeypatch.setattr(runtime_mod, "agree_over_tp", lambda everywhere: everywhere)  # both ranks alike
     hasher = NgramHasher(CFG, torch.zeros(CFG.vocab_size, dtype=torch.int64))
-    settings = ServeSettings(placement="host", host_shared=shared, shm_dir=str(tmp_path), prefetch=False)
+    settings = ServeSettings(placement="host", host_shared=shared, host_whole_rows=whole, shm_dir=str(tmp_path),
+                             prefetch=False)
     return runtime_mod.EngramRuntime(CFG, hasher, settings, root, torch.device("cpu"), tp_rank=tp_rank, tp_size=2)
 
 
@@ -232,8 +234,9 @@ def test_the_runtime_does_not_all_reduce_whole_rows(tables, tmp_path, monkeypatc
     reduced = []
     monkeypatch.setattr(distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t) or t * 2)
     ids = torch.randint(0, min(r.shape[0] for r in rows.values()), (8, len(CFG.layer_ids), 12), generator=rng)
-    for shared in (True, False):
-        runtime = _runtime(root, tmp_path, monkeypatch, shared=shared, tp_rank=1)
+    for shared, whole in ((True, True), (False, True), (True, False)):
+        runtime = _runtime(root, tmp_path, monkeypatch, shared=shared, tp_rank=1, whole=whole)
+        shared = shared and whole  # --engram-host-whole-rows off: the shared copy is read as shards
         try:
             assert runtime.reduce_rows is not shared and runtime.stats()["rows_all_reduced"] is not shared
             step = runtime.begin(ids, torch.zeros(8, dtype=torch.int64), torch.arange(8), torch.arange(8), "extend")

@@ -320,3 +320,32 @@ def test_attention_fields_out_of_bounds_are_one_line(tmp_path):
         plan(model=str(path), gpu="H200", tp=1)
     path.write_text(json.dumps({**fields, "num_hidden_layers": 4, "model_type": "../../etc/x"}))
     plan(model=str(path), gpu="H200", tp=1, weights_gib=10)  # no facts file outside configs/models
+
+
+def test_whole_rows_or_shard_per_sku_from_the_bytes():
+    """Host placement, shared copy: whole rows remove the all-reduce (2(TP-1)/TP of the bf16 rows
+    per GPU) and add (1 - 1/TP) of the tokens' row lines to each GPU's host link; the planner
+    picks the smaller time: over NVLink-C2C (GB200) whole rows, over PCIe (H100) the shard."""
+    from engram_sglang.planning import whole_rows
+
+    picks = {}
+    for gpu in ("H100", "GB200"):
+        p = plan(model="deepseek-v4.1-flash", gpu=gpu, tp=8, placement="host")
+        r = p["rows_per_rank"]
+        decode = r["phases"]["decode"]
+        tokens, cols = decode["tokens"], 24 * 2  # 2 Engram layers x 24 hash columns
+        assert decode["allreduce_payload_bytes"] == tokens * cols * 256 * 2
+        assert decode["collective_bytes_removed"] == int(2 * 7 / 8 * decode["allreduce_payload_bytes"])
+        lines = p["host_link"]["lines_per_row"]
+        assert decode["host_bytes_added"] == int(tokens * cols * lines * 64 * 7 / 8)
+        assert p["host_link"]["decode_step_bytes"] == decode["host_bytes_whole"]  # the shared layout reads whole rows
+        picks[gpu] = r["recommend"]
+        assert r["reason"] and "Whole rows vs shard per rank" in format_text(p)
+    assert picks == {"H100": "sharded", "GB200": "whole"}
+    tp1 = whole_rows.compare(tokens_by_phase={"decode": 256}, layers=2, columns=24, head_dim=256, lines_per_row=5,
+                             tp=1, host_gbps=64, gpu_gbps=450)
+    assert tp1["recommend"] == "whole" and tp1["phases"]["decode"]["collective_bytes_removed"] == 0
+    # A hot-row cache serving half the reads halves the host bytes whole rows add.
+    half = whole_rows.step_bytes(tokens=256, layers=2, columns=24, head_dim=256, lines_per_row=5, tp=8, hit_rate=0.5)
+    full = whole_rows.step_bytes(tokens=256, layers=2, columns=24, head_dim=256, lines_per_row=5, tp=8)
+    assert half["host_bytes_added"] == full["host_bytes_added"] / 2

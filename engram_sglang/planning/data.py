@@ -58,6 +58,8 @@ class GpuSku:
     numa_nodes: int = 1  # NUMA nodes with CPUs of the usual host, and the DRAM of each
     dram_per_numa_node_bytes: Optional[int] = None
     dram_source: str = ""
+    gpu_link: str = ""  # GPU-to-GPU link (what a TP all-reduce runs over) and its peak per direction
+    gpu_link_gbps: Optional[float] = None
 
     @property
     def docker_vendor(self) -> str:
@@ -97,6 +99,9 @@ def load_gpus(path: Optional[Path] = None) -> dict[str, GpuSku]:
                 dram_per_numa_node_bytes=None if d.get("dram_per_numa_node_gib") is None else int(round(
                     bounded(d["dram_per_numa_node_gib"], f"{path}: {key} dram_per_numa_node_gib", 0, MAX_GIB) * GIB)),
                 dram_source=str(d.get("dram_source", "")),
+                gpu_link=str(d.get("gpu_link", "")),
+                gpu_link_gbps=None if d.get("gpu_link_gbps") is None else float(
+                    bounded(d["gpu_link_gbps"], f"{path}: {key} gpu_link_gbps", 1, 1e5)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlannerError(f"{path}: SKU {key!r} is missing or has a bad field ({e})") from None

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 from ..config import PLACEMENTS, EngramConfig
 from ..hashing import EngramLayout
 from ..rowformat import BLOCK
+from . import whole_rows
 from .data import (
     GIB,
     MAX_GIB,
@@ -314,6 +315,17 @@ class Planner:
             "prefill_chunk_ms_at_peak": prefill / (gbps * 1e9) * 1e3,
         }
 
+    def rows_per_rank(self, tp: int) -> dict[str, Any]:
+        """Host placement with one shared copy per node: whole rows per rank (no all-reduce,
+        TP-fold host-link bytes) or a shard + all-reduce, per step (planning/whole_rows.py)."""
+        out = whole_rows.compare(
+            tokens_by_phase={"decode": DECODE_BATCH, "prefill": PREFILL_CHUNK}, layers=self.cfg.n_layers,
+            columns=self.cfg.hash_columns, head_dim=self.cfg.head_dim, lines_per_row=lines_per_row(self.row_bytes),
+            tp=tp, host_gbps=self.gpu.host_link_gbps, gpu_gbps=self.gpu.gpu_link_gbps)
+        out["gpu_link"] = self.gpu.gpu_link
+        out["gpu_link_gbps"] = self.gpu.gpu_link_gbps
+        return out
+
     def assumptions(self, tp: int) -> list[str]:
         f = self.facts
         out = [
@@ -364,6 +376,12 @@ class Planner:
         out.append(
             f"host link times are at the link's peak ({self.gpu.host_link_gbps:g} GB/s per direction) for "
             f"{lines_per_row(self.row_bytes):g} 64-byte lines per row; measure with bench/tiers.py"
+        )
+        out.append(
+            f"whole rows vs shard: a ring all-reduce of bf16 rows sends 2(TP-1)/TP of them per GPU at the GPU link's "
+            f"peak ({self.gpu.gpu_link or 'unknown'}, {self.gpu.gpu_link_gbps or 0:g} GB/s per direction, "
+            f"configs/gpus.json) plus {whole_rows.ALLREDUCE_LATENCY_S * 1e6:g} us per all-reduce (assumption); "
+            f"no hot-row cache; measured trade-off in bench/whole_rows.py"
         )
         return out
 
@@ -440,6 +458,7 @@ class Planner:
             "dev_shm": self.dev_shm(dram["shared_copies"]),
             "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
             "host_link": self.host_link(tp),
+            "rows_per_rank": self.rows_per_rank(tp),
             "assumptions": self.assumptions(tp),
             "warnings": warnings,
         }

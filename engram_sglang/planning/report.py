@@ -93,6 +93,7 @@ def format_text(p: dict[str, Any]) -> str:
         f"{hl['decode_step_bytes'] / 1e6:>10.2f} MB   {hl['decode_step_us_at_peak']:.0f} us at peak",
         f"  {'prefill chunk of ' + str(hl['prefill_chunk']) + ' tokens':<38}"
         f"{hl['prefill_chunk_bytes'] / 1e6:>10.2f} MB   {hl['prefill_chunk_ms_at_peak']:.2f} ms at peak",
+        *_rows_per_rank(p),
         "",
         "Assumptions",
         *(f"  - {a}" for a in p["assumptions"]),
@@ -101,3 +102,21 @@ def format_text(p: dict[str, Any]) -> str:
         lines += ["", "Warnings", *(f"  ! {w}" for w in p["warnings"])]
     return "\n".join(lines)
 
+
+
+def _rows_per_rank(p: dict) -> list[str]:
+    """Host placement with a shared copy: whole rows per rank or a shard + all-reduce."""
+    r = p["rows_per_rank"]
+    if p["placement"] != "host" or p["tp"] == 1:
+        return []
+    lines = ["", f"Whole rows vs shard per rank (host placement, shared copy; TP{p['tp']}, {r['gpu_link'] or 'GPU link'} "
+                 f"{r['gpu_link_gbps'] or 0:g} GB/s)"]
+    for phase, v in r["phases"].items():
+        removed = v["allreduce_seconds_removed"]
+        lines.append(f"  {phase + ' (' + str(v['tokens']) + ' tokens)':<38}all-reduce -{v['collective_bytes_removed'] / 1e6:.2f} MB"
+                     f"{'' if removed is None else f' ({removed * 1e6:,.0f} us)'}, host link "
+                     f"+{v['host_bytes_added'] / 1e6:.2f} MB ({v['host_seconds_added'] * 1e6:,.0f} us) per GPU")
+    lines.append(f"  recommend: {r['recommend'] or 'unknown'} ({r['reason']})")
+    if p["host_layout"] != "shared" and r["recommend"] == "whole":
+        lines.append("  (whole rows need the shared layout: --engram-host-shared on)")
+    return lines

@@ -47,6 +47,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
     Knob("host-shared", "bool", False, "host placement: one copy per node in /dev/shm instead of one per rank"),
     Knob("shm-dir", "str", "/dev/shm", "host placement: where the shared copy lives"),
+    Knob("host-whole-rows", "bool", True, "host placement with --engram-host-shared on: each tensor-parallel rank reads "
+         "the whole rows of its tokens from the node's copy, no all-reduce (off: a row shard per rank and an "
+         "all-reduce; `engram-sglang plan` says which is faster on a GPU)"),
     Knob("host-keep", "bool", False, "host placement: keep the node's shared copy when the last server leaves "
          "(else it removes it); see `engram-sglang shm ls`"),
     Knob("huge-pages", "bool", True, "host placement: back the table with transparent huge pages"),
@@ -79,6 +82,7 @@ class ServeSettings:
     backend: str = "auto"
     host_shared: bool = False
     shm_dir: str = "/dev/shm"
+    host_whole_rows: bool = True
     host_keep: bool = False
     huge_pages: bool = True
     disk_threads: int = 64

@@ -57,8 +57,9 @@ def open_store(
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
         sketch_depth.
-    options : placement options: host `shared`, `shm_dir`, `huge_pages`, `keep` (the node's
-        shared copy outlives the last server); disk `threads`,
+    options : placement options (the placement table's): host `shared`, `shm_dir`, `huge_pages`,
+        `keep` (the node's shared copy outlives the last server), `numa`, `whole_rows` (with
+        `shared` and `agree`: whole rows per rank; default on); disk `threads`,
         `direct`, `retries`, `dram_cache_bytes` (host bytes, all layers of this rank, of a
         row cache in front of the files, split like `cache_bytes`).
 
@@ -86,8 +87,10 @@ def open_store(
             row_range = shard_range(info.rows, tp_rank, tp_size)
             if dram[layer_id]:
                 options["dram_cache_bytes"] = dram[layer_id]
-            if spec.rows_held(options) == WHOLE:  # the node's copy, named by and checked against these
-                options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]), whole_rows=whole)
+            if "shared" in spec.option_names:  # a node's shared copy is named by and checked against these
+                options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]))
+            if "whole_rows" in spec.option_names:
+                options["whole_rows"] = whole
             store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
         if tp_size > 1 and any(s.holds_whole_rows for s in stores.values()):
