@@ -2,7 +2,8 @@
 
 * the staged rows equal the eager path's bit for bit (random ids, several steps of changing
   batch sizes; rows past a step's tokens, a padded graph's rows, are +0.0), for the disk
-  store alone, behind a DRAM row cache, behind a hot-row cache, and as one TP shard;
+  store alone, behind a DRAM row cache, behind a hot-row cache, and as one TP shard; and on
+  the GPU code path (tests/fake_streams.py: ids from the device, ordered copies, no hazard);
 * the captured part (EngramRuntime.begin + rows with staged buffers) passes the capture
   fixture (no host sync, no Python state advanced); a negative control that reads the store
   there raises;
@@ -97,6 +98,37 @@ def test_staged_rows_equal_the_eager_path(tables, rng, how):
                 assert not buf[tokens:].any(), f"{how}: padded rows past {tokens} tokens are not +0.0"
             maintenance.between_steps()
         assert staged.staged_steps == 6
+    finally:
+        close(stores)
+
+
+def test_staging_on_a_gpu_takes_the_stores_stream_path_in_order(tables, rng):
+    """The GPU path, with the recording stand-in for the stream operations: device ids go to
+    pinned memory on the forward stream, each store's worker waits for that copy, the rows
+    are copied in and decoded on the forward stream, then copied into the buffers; no
+    hazard over many steps of changing sizes, bits exact."""
+    from fake_streams import RecordingStreams
+
+    table_dir, rows = tables
+    stores = open_store(table_dir, "disk", cfg=CFG)
+    fake = RecordingStreams()
+    for s in stores.values():
+        s._streams = fake
+    try:
+        staged = staged_for(stores)
+        for step, tokens in enumerate((CAP, 3, 9, CAP, 1, 12, 6, 2)):
+            ids = random_ids(rng, tokens)
+            staged.stage(ids)
+            for i, L in enumerate(CFG.layer_ids):
+                buf = bf16_bits(staged.buffers[L])
+                assert torch.equal(buf[:tokens], reference(rows[L], ids[:, i])), f"step {step}, layer {L}"
+                assert not buf[tokens:].any()
+            if step % 3 == 2:
+                fake.flush()  # the GPU catches up only now and then
+        fake.flush()
+        assert fake.hazards == []
+        assert len(fake.ops("to_host")) == 8 * len(CFG.layer_ids)  # the ids, from the device, per layer and step
+        assert all(e[2] is fake.default for e in fake.ops("to_device"))
     finally:
         close(stores)
 

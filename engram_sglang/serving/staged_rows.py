@@ -10,12 +10,14 @@ whose address never changes:
 1. SGLang's decode graph runner is about to replay a step (the plugin wraps
    `DecodeCudaGraphRunner.execute`: `stage_before_replay`). The model's own hasher computes
    the step's row ids eagerly, without committing its history (`StepHasher.peek_decode`:
-   the very ids the graph will compute), and they are copied to the host. That copy waits
-   for the device; without the overlap scheduler the host has waited for the previous
-   step's tokens already, so what it waits for is the few hash kernels.
+   the very ids the graph will compute).
 2. `StagedRows.stage`: every host-reading layer's gather is issued at once through the
-   store's own prefetch (the eager path, so the rows are the eager path's bits), then each
-   is waited on and copied into that layer's fixed buffer [max graph tokens, C, 256] bf16.
+   store's own prefetch, with the ids where they are (the eager path, so the rows are the
+   eager path's bits: the disk store copies the ids to pinned memory and its worker reads
+   once that copy landed), then each is waited on and copied into that layer's fixed
+   buffer [max graph tokens, C, 256] bf16. The wait is the step's one host sync; without
+   the overlap scheduler the host has waited for the previous step's tokens already, so
+   beyond the reads it waits only for the few hash kernels.
    Rows past the step's tokens are +0.0: a padded graph row never reads a previous step's.
 3. During capture, `EngramRuntime.begin` handed every host-reading layer a view of its
    buffer (`StagedRows.handle`) instead of a prefetch, so the replay reads those views.
@@ -36,7 +38,7 @@ from ..rowformat import ROW_VALUES
 from ..stores import maintenance
 from ..stores.base import Prefetch, TableIOError
 
-# (layer id, host ids [T, C], the read's fault) -> the rows to use (the runtime's containment).
+# (layer id, the layer's ids [T, C], the read's fault) -> the rows to use (the runtime's containment).
 OnFault = Callable[[int, torch.Tensor, TableIOError], torch.Tensor]
 
 
@@ -104,9 +106,10 @@ class StagedRows:
         tokens = int(hash_ids.shape[0])
         if tokens > self.capacity:
             raise EngramError(f"staged Engram rows: a step of {tokens} tokens, but the buffers hold {self.capacity}")
-        host = hash_ids.to("cpu", torch.int64)  # the one host sync: the reads need the ids here
-        # Every layer's read in flight at once (each store reads on its own worker thread).
-        handles = {L: self.stores[L].prefetch(host[:, i]) for L, i in self.layers.items()} if tokens else {}
+        # Every layer's read in flight at once, each through its store's own prefetch with the
+        # ids where they are, as the eager step issues them (device ids: the store copies them to
+        # pinned memory and its worker waits for that copy; wait() waits for the worker).
+        handles = {L: self.stores[L].prefetch(hash_ids[:, i]) for L, i in self.layers.items()} if tokens else {}
         try:
             for L, i in self.layers.items():
                 buf = self.buffers[L]
@@ -116,7 +119,7 @@ class StagedRows:
                     except TableIOError as fault:
                         if on_fault is None:
                             raise
-                        rows = on_fault(L, host[:, i], fault)
+                        rows = on_fault(L, hash_ids[:, i], fault)
                     buf[:tokens].copy_(rows)
                 if self._filled > tokens:
                     buf[tokens:self._filled].zero_()
