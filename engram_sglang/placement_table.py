@@ -87,7 +87,7 @@ PLACEMENT_TABLE: dict[str, Placement] = {p.name: p for p in (
     Placement("host", ".stores.placements:HostStore",
               (PlacementOption("shared", "host-shared"), PlacementOption("shm_dir", "shm-dir"),
                PlacementOption("huge_pages", "huge-pages"), PlacementOption("keep", "host-keep", only_when_set=True),
-               PlacementOption("whole_rows", "host-whole-rows", default=True)),
+               PlacementOption("numa", "host-numa"), PlacementOption("whole_rows", "host-whole-rows", default=True)),
               ids_visit_host=False, capturable=True, whole_rows_with=("shared", "whole_rows"), cache_in_front=True,
               what="host memory read over UVA (shared: one copy per node, every rank reads whole rows)"),
     Placement("disk", ".stores.disk:DiskStore",

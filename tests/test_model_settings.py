@@ -21,13 +21,18 @@ def test_defaults_and_environment():
     assert s.store_options() == {"threads": 8, "direct": True, "retries": 2}
     assert not s.prefetch and s.debug == ("skip-wait",)
     s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "yes", "ENGRAM_HUGE_PAGES": "off"})
-    assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False, "whole_rows": True}
+    assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False, "numa": "auto",
+                                 "whole_rows": True}
 
 
 @pytest.mark.parametrize("env, message", [
     ({"ENGRAM_PLACEMENT": "ssd"}, "ENGRAM_PLACEMENT (--engram-placement) must be one of device, host, disk, got 'ssd'"),
     ({"ENGRAM_DISK_THREADS": "many"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be an integer, got 'many'"),
     ({"ENGRAM_DISK_THREADS": "0"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be >= 1, got 0"),
+    ({"ENGRAM_HOST_NUMA": "near"}, "ENGRAM_HOST_NUMA (--engram-host-numa) must be auto, interleave, off or a NUMA node "
+                                   "number (0..1023), got 'near'"),
+    ({"ENGRAM_HOST_NUMA": "-1"}, "ENGRAM_HOST_NUMA (--engram-host-numa) must be auto, interleave, off or a NUMA node "
+                                 "number (0..1023), got '-1'"),
     ({"ENGRAM_DISK_THREADS": "2000"}, "ENGRAM_DISK_THREADS (--engram-disk-threads) must be at most 256 (reads in flight), got 2000"),
     ({"ENGRAM_HUGE_PAGES": "maybe"}, "ENGRAM_HUGE_PAGES (--engram-huge-pages) must be on/off"),
     ({"ENGRAM_DEBUG": "skip-wait,oops"}, "ENGRAM_DEBUG (--engram-debug): unknown value(s) oops"),

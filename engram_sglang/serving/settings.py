@@ -26,7 +26,7 @@ _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
 @dataclasses.dataclass(frozen=True)
 class Knob:
     flag: str  # without the leading "--engram-"
-    kind: str  # "str", "int", "bool", "choice", "list"
+    kind: str  # "str", "int", "bool", "choice", "list", "numa"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -52,6 +52,9 @@ KNOBS: tuple[Knob, ...] = (
          "all-reduce; `engram-sglang plan` says which is faster on a GPU)"),
     Knob("host-keep", "bool", False, "host placement: keep the node's shared copy when the last server leaves "
          "(else it removes it); see `engram-sglang shm ls`"),
+    Knob("host-numa", "numa", "auto", "host placement: NUMA node of the table memory: auto (each rank's copy on its "
+         "GPU's node, one shared copy per node; interleaved where a node's free memory cannot hold it), interleave, "
+         "off, or a node number"),
     Knob("huge-pages", "bool", True, "host placement: back the table with transparent huge pages"),
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
@@ -84,6 +87,7 @@ class ServeSettings:
     shm_dir: str = "/dev/shm"
     host_whole_rows: bool = True
     host_keep: bool = False
+    host_numa: str = "auto"
     huge_pages: bool = True
     disk_threads: int = 64
     disk_direct: bool = False
@@ -160,6 +164,11 @@ def _parse(knob: Knob, raw: str) -> Any:
         if low in _FALSE:
             return False
         raise EngramConfigError(f"{where} must be on/off (1/0, true/false), got {raw!r}")
+    if knob.kind == "numa":  # stores/numa.py's modes (not imported: it loads with torch)
+        low = value.lower()
+        if low in ("auto", "interleave", "off") or (low.isdigit() and int(low) < 1024):
+            return low
+        raise EngramConfigError(f"{where} must be auto, interleave, off or a NUMA node number (0..1023), got {raw!r}")
     if knob.kind == "choice":
         if value not in knob.choices:
             raise EngramConfigError(f"{where} must be one of {', '.join(knob.choices)}, got {raw!r}")

@@ -22,6 +22,7 @@ from ..ops import gather_dequant, probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmcopy
+from . import numa as numa_mod
 from .base import ResidentTable, TableStore
 from .disk import DiskStore  # noqa: F401  (the third placement, re-exported)
 from .metrics import METRICS
@@ -78,7 +79,7 @@ class HostStore(_WholeTableStore):
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, keep: bool = False,
-                 checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False):
+                 checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False, numa: str = "auto"):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
         if self.device.type == "cuda":
@@ -88,6 +89,13 @@ class HostStore(_WholeTableStore):
             if not (dev.uva or dev.host_map):
                 raise EngramError(f"placement host: {dev.describe()} cannot read registered host memory "
                                   f"(its runtime reports no mapping of host memory): choose placement device or disk")
+        # The NUMA node(s) the rows go to, before the first page exists (stores/numa.py).
+        # A shared copy's name carries them: one copy per node.
+        def copy_spec(binding):
+            return shmcopy.Spec(Path(shm_dir), layer_id, rows, chunk_rows, tuple(checksums), keep, binding)
+
+        self.binding = numa_mod.choose(numa, self.device, (rows if shared else hi - lo) * ROW_BYTES,
+                                       present=lambda b: shmcopy.allocated_bytes(copy_spec(b).path) if shared else 0)
         spec = None
         if shared:
             # One copy of the whole layer per node: every TP rank and DP replica on the node
@@ -102,7 +110,7 @@ class HostStore(_WholeTableStore):
                 raise EngramError(f"{shm_dir}: the shared host table's directory (ENGRAM_SHM_DIR) does not exist or is "
                                   f"not a directory; give an existing tmpfs such as /dev/shm, or turn sharing off")
             free = hostmem.shm_free_bytes(shm_dir)
-            candidate = shmcopy.Spec(shm_dir, layer_id, rows, chunk_rows, tuple(checksums), keep)
+            candidate = copy_spec(self.binding)
             shmcopy.check_kinds(candidate.path)
             if os.path.lexists(candidate.path) or free >= need:
                 spec = candidate
@@ -123,7 +131,7 @@ class HostStore(_WholeTableStore):
         read_only = self.device.type != "cuda" or hostmem.can_register_read_only(self.device)
         self.memory = hostmem.HostTable(
             nbytes, source=Path(path), source_offset=DATA_OFFSET + first * ROW_BYTES, shared=spec,
-            huge_pages=huge_pages, read_only=read_only,
+            huge_pages=huge_pages, read_only=read_only, binding=self.binding,
         )
         shm_path = self.memory.shm_path
         self.shared = shm_path is not None
@@ -163,13 +171,13 @@ class HostStore(_WholeTableStore):
     def stats(self) -> dict:
         s = super().stats()
         s.update(shared=self.shared, registered=self.memory.registered, huge_page_coverage=self.huge.coverage,
-                 thp_mode=self.huge.thp_mode)
+                 thp_mode=self.huge.thp_mode, numa=self.binding.tag or "off")
         return s
 
     def describe(self) -> str:
         layout = f"shared {self.memory.shm_path}" if self.shared else "private"
         return (f"{super().describe()}, {layout} host memory, huge pages {self.huge.coverage:.0%} "
-                f"(THP {self.huge.thp_mode or 'unknown'}), registered {self.memory.registered}")
+                f"(THP {self.huge.thp_mode or 'unknown'}), {self.binding.describe()}, registered {self.memory.registered}")
 
     def close(self) -> None:
         super().close()
