@@ -36,7 +36,8 @@ HOST_LIBS = {
     "libengram_io.so": ("io/engram_rowio.cpp", "ENGRAM_IO_CXXFLAGS"),
 }
 # What the host builds read: their sources, the shared decode header, the flags.
-HOST_SOURCES = ("cpu/engram_gather.cpp", "common/engram_gather.h", "io/engram_rowio.cpp", "host-flags.mk")
+HOST_SOURCES = ("cpu/engram_gather.cpp", "common/engram_gather.h", "common/engram_denormals.h",
+                "io/engram_rowio.cpp", "io/engram_disk_step.h", "io/engram_dram_policy.h", "host-flags.mk")
 
 
 class NativeLibraryError(RuntimeError):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import small_config
+from disk_faults import reads_by_the_store
 from engram_sglang import rowformat
 from engram_sglang.errors import EngramConfigError, EngramError
 from engram_sglang.hashing import EngramLayout
@@ -154,6 +155,7 @@ def test_a_failed_read_ahead_is_logged_and_the_gather_still_reports_it(tables, m
     store = open_store(root, "disk", cfg=CFG, direct=True, retries=0, dram_cache_bytes=1 << 20)[L]
     monkeypatch.setattr(rowio, "pread_rows", lambda *a, **k: (5, 0))  # EIO on every read
     monkeypatch.setattr(rowio, "aio_read_rows", lambda *a, **k: (5, 0))
+    reads_by_the_store(monkeypatch)
     try:
         ids = torch.arange(10)
         assert store.read_ahead(ids).result() == 0
@@ -204,6 +206,7 @@ def test_direct_reads_go_by_native_aio_and_fall_back_to_pread(tables, rng, monke
     root, rows = tables
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, threads=16)[L]
+    store.native_step = False  # the store's own reader (the native step's, tests/test_disk_step.py)
     try:
         assert "native AIO" in store.describe()
         calls = []

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import random_table_dir, small_config
+from disk_faults import reads_by_the_store
 from fake_streams import RecordingStreams
 from engram_sglang import rowformat
 from engram_sglang.hashing import EngramLayout, NgramHasher
@@ -62,6 +63,7 @@ def broken(monkeypatch):
     monkeypatch.setattr(rowio, "pread_rows", pread_rows)
     monkeypatch.setattr(rowio, "copy_mapped", copy_mapped)
     monkeypatch.setattr(rowio, "aio_read_rows", aio_read_rows)
+    reads_by_the_store(monkeypatch, lambda ids: bool(np.isin(ids, list(bad)).any()))  # the native step's misses
     return bad
 
 
@@ -174,7 +176,7 @@ def test_scheduler_aborts_exactly_the_failed_requests(monkeypatch):
     assert reason.err_type == faults.ERROR_TYPE
 
 
-def test_a_call_that_fails_whole_fails_the_step_not_the_server(tables, rng):
+def test_a_call_that_fails_whole_fails_the_step_not_the_server(tables, rng, monkeypatch):
     """A table file truncated under the open store: every request of the step fails, the
     runtime keeps going."""
     root, _ = tables
@@ -183,6 +185,7 @@ def test_a_call_that_fails_whole_fails_the_step_not_the_server(tables, rng):
     try:
         store = runtime.stores[CFG.layer_ids[0]]
         store._read_file = lambda wanted, out=None: (_ for _ in ()).throw(TableIOError("layer file truncated"))
+        reads_by_the_store(monkeypatch)
         tokens = torch.randint(0, CFG.vocab_size, (6,), generator=rng)
         step = runtime.begin(hasher.hash_sequence(tokens.tolist()), torch.tensor([2, 2, 2, 4, 4, 4]), torch.arange(6),
                              tokens, "extend")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import small_config
+from disk_faults import reads_by_the_store
 from engram_sglang import rowformat
 from engram_sglang.errors import EngramError
 from engram_sglang.rowformat import ROW_BYTES, bf16_bits
@@ -185,6 +186,7 @@ def test_io_errors_are_retried_then_fail_that_call_only(table_dir, monkeypatch, 
     # Injected at the read layer: the mapped copy reports a fault, pread fails twice.
     monkeypatch.setattr(rowio, "copy_mapped", lambda *a, **k: 0)
     monkeypatch.setattr(rowio, "pread_rows", flaky_pread)
+    reads_by_the_store(monkeypatch)  # the native step hands its reads to the store's reader
     with caplog.at_level(logging.WARNING):
         assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
     assert caplog.text.count("Input/output error") == 2

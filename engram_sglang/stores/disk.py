@@ -17,10 +17,11 @@ import torch
 
 from ..errors import EngramError
 from ..ops import gather_dequant
-from ..rowformat import ROW_BYTES
+from ..rowformat import ROW_BYTES, ROW_VALUES
 from ..tablefile import DATA_OFFSET
 from . import rowio
 from .base import Prefetch, TableIOError, TableReadFault, TableStore
+from .disk_step import NativeStep
 from .dram_cache import DramRowCache
 from .metrics import METRICS
 from .staging import StagingPool
@@ -44,12 +45,16 @@ class DiskStore(TableStore):
     `dram_cache_bytes` puts a row-granular DRAM cache (DramRowCache) in front of the file:
     hits are copied from it, misses read from the file and admitted. `read_ahead(ids)`
     reads rows into it before the step that needs them (a prefill's next chunk).
+
+    `native_step` (default): each call is one native call (disk_step.py: dedupe, DRAM-cache
+    lookup, hits, reads, admission, and on the CPU the decode). False: the numpy path, the
+    same-run baseline (bench/disk_step.py); both give the same bits and the same hits.
     """
 
     placement = "disk"  # (its ids visit the host: needs_host_ids, from the placement table)
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
-                 retries: int = 2, dram_cache_bytes: int = 0):
+                 retries: int = 2, dram_cache_bytes: int = 0, native_step: bool = True):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         if threads < 1:
             raise EngramError(f"disk store: threads must be >= 1, got {threads}")
@@ -75,6 +80,8 @@ class DiskStore(TableStore):
             self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data + DATA_OFFSET
         self._read_latencies: deque[float] = deque(maxlen=4096)  # recent calls, for stats()
         self._staging: Optional[StagingPool] = None  # pinned double buffer (GPU prefetch)
+        self.native_step = native_step
+        self._native = NativeStep(self)
 
     @property
     def resident_bytes(self) -> int:
@@ -94,6 +101,8 @@ class DiskStore(TableStore):
         # The ids visit the host once per call: the reads need them there (on a GPU,
         # `.to("cpu")` on the caller's stream waits for the kernel that made them).
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        if self.native_step:
+            return self._gather_native(ids, flat, out)
         wanted, local = self._plan(flat)
         fault = None
         try:
@@ -108,6 +117,30 @@ class DiskStore(TableStore):
             fault.rows = rows
             raise fault
         return rows, wanted.shape[0]
+
+    def _gather_native(self, ids, flat: np.ndarray, out):
+        """One native call; on the CPU it decodes into the rows too."""
+        n = flat.shape[0]
+        local = np.empty(n, np.int64)
+        packed = np.empty((max(1, n), ROW_BYTES), np.uint8)
+        rows = rows_bits = None
+        if self.device.type == "cpu":
+            contiguous = out is not None and out.is_contiguous()
+            rows = out if contiguous else torch.empty((*ids.shape, ROW_VALUES), dtype=torch.bfloat16)
+            rows_bits = rows.view(torch.int16).numpy().reshape(n, ROW_VALUES)
+        served = self._native.run(flat, local, packed, rows_bits)
+        if served.decoded:
+            if out is not None and rows is not out:
+                rows = out.copy_(rows)
+        else:  # on a GPU; or the misses were read by the store's reader after a failure
+            table = torch.from_numpy(packed[: served.unique]).to(self.device)
+            index = torch.from_numpy(local).view(ids.shape).to(self.device)
+            rows = gather_dequant(table, index, out=out, row_range=(0, served.unique), backend=self.backend)
+        METRICS.served(self, ids.numel(), unique=served.unique)
+        if served.fault is not None:
+            served.fault.rows = rows
+            raise served.fault
+        return rows, served.unique
 
     def _plan(self, flat: np.ndarray, local_out: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct ids of this shard, staging index of each id). Ids outside the
@@ -164,6 +197,11 @@ class DiskStore(TableStore):
             if flat.size:
                 self._check_ids(int(flat.min()), int(flat.max()))
             local = slot.buffer("local", (flat.shape[0],), torch.int64)
+            if self.native_step:
+                packed = slot.buffer("packed", (max(1, flat.shape[0]), ROW_BYTES), torch.uint8)
+                served = self._native.run(flat, local.numpy(), packed.numpy())
+                return _Staged(slot, packed[: max(1, served.unique)], local, shape, served.unique,
+                               time.perf_counter() - t0, served.fault)
             wanted, _ = self._plan(flat, local_out=local.numpy())
             # One row at least: a table of no rows has no valid strides (every id is out of range then).
             packed = slot.buffer("packed", (max(1, wanted.shape[0]), ROW_BYTES), torch.uint8)
@@ -206,6 +244,16 @@ class DiskStore(TableStore):
         from the DRAM cache where it holds them, else from the file (then admitted);
         written into `out` (uint8 [n, 264], e.g. pinned staging) when given."""
         wanted = np.ascontiguousarray(wanted, dtype=np.int64)
+        if self.native_step and wanted.shape[0]:
+            into = out is not None and out.flags.c_contiguous  # the native call writes rows back to back
+            staging = out if into else np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
+            served = self._native.run(wanted, np.empty(wanted.shape[0], np.int64), staging)
+            if out is not None and not into:
+                out[...] = staging
+                staging = out
+            if served.fault is not None:
+                raise served.fault
+            return staging
         if self.dram is None or wanted.shape[0] == 0:
             staging = self._read_file(wanted, out=out)
             self._file_rows += wanted.shape[0]

@@ -45,6 +45,25 @@ _CLOCK_BITS = 48  # a way's rank under frequency admission: count << 48 | clock 
 _USED_NOW = np.iinfo(np.int64).max  # ... and a way this call used ranks last (it stays)
 
 
+# The scalars of a cache live in one int64 array (DramRowCache._state), in this order, so that the
+# disk tier's native step (kernels/io/engram_dram_policy.h, the same indices) runs the same
+# policy on the same state: a call served natively and a read-ahead admitted here see each other.
+STATE_FIELDS = ("_clock", "_since_aging", "agings", "_ahead", "lookups", "hits", "admitted", "rejected")
+
+
+class _StateField:
+    """An attribute that is one element of the owner's `_state` array."""
+
+    def __init__(self, index: int, kind: type):
+        self.index, self.kind = index, kind
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.kind(obj._state[self.index])
+
+    def __set__(self, obj, value) -> None:
+        obj._state[self.index] = value
+
+
 def _mix64(ids: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer of int64 ids: every output bit depends on every id bit. A bare
     multiplicative hash kept the id's structure: a row sample picked by another multiplicative
@@ -77,6 +96,10 @@ class DramRowCache:
     Thread-safe: one lock around lookups and admissions (the store's prefetch thread,
     read-ahead and direct calls may overlap).
     """
+
+    _clock, _since_aging, agings = _StateField(0, int), _StateField(1, int), _StateField(2, int)
+    _ahead = _StateField(3, bool)  # begin() was called since the last lookup: the next admission reads ahead
+    lookups, hits, admitted, rejected = (_StateField(i, int) for i in range(4, 8))
 
     def __init__(self, nbytes: int, *, ways: int = 8, max_rows: int | None = None, huge_pages: bool = True,
                  admission: str = "frequency"):
@@ -113,13 +136,9 @@ class DramRowCache:
         self.sketch = np.zeros(SKETCH_DEPTH * self.sketch_width, dtype=np.uint8)
         self._sketch_base = (np.arange(SKETCH_DEPTH, dtype=np.uint64) * np.uint64(self.sketch_width))[:, None]
         self.sample = SAMPLE_FACTOR * slots
-        self._since_aging = 0
-        self.agings = 0
+        self._state = np.zeros(len(STATE_FIELDS), dtype=np.int64)  # clock, counters: see STATE_FIELDS
         self._ways = np.arange(ways, dtype=np.int64)
-        self._clock = 0
-        self._ahead = False  # begin() was called since the last lookup: the next admission reads ahead
         self.lock = threading.Lock()
-        self.lookups = self.hits = self.admitted = self.rejected = 0
 
     @property
     def nbytes(self) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Optional
 
 import numpy as np
 
 from .. import nativelibs
 from ..errors import EngramError
+from .dram_cache import STATE_FIELDS
 from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
 _LIB_NAME = "libengram_io.so"
@@ -29,7 +31,71 @@ def library() -> ctypes.CDLL:
     lib.engram_rowio_pread.restype = ctypes.c_int
     lib.engram_rowio_aio.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
     lib.engram_rowio_aio.restype = ctypes.c_int
+    lib.engram_disk_step.argtypes = [ctypes.POINTER(DiskFile), ctypes.POINTER(DramCacheView), p, i64, p, p, p, p, p,
+                                     ctypes.c_int, ctypes.POINTER(StepResult)]
+    lib.engram_disk_step.restype = ctypes.c_int
+    lib.engram_disk_step_layout.argtypes = [ctypes.c_int]
+    lib.engram_disk_step_layout.restype = i64
+    built = [lib.engram_disk_step_layout(k) for k in range(4)]
+    ours = [ctypes.sizeof(DiskFile), ctypes.sizeof(DramCacheView), ctypes.sizeof(StepResult), len(STATE_FIELDS)]
+    if built != ours:
+        raise EngramError(f"native row I/O library {path}: its step structures {built} differ from this "
+                          f"package's {ours}: rebuild it (`make rowio`)")
     return lib
+
+
+# ------------------------------------------------------------------ the native step
+# kernels/io/engram_disk_step.h: one call per layer and step (dedupe, DRAM-cache lookup, hits,
+# reads of the misses, admission, and on the CPU the decode). Same layouts as the C structures.
+READ_MAPPED, READ_AIO, READ_PREAD, READ_NONE = 0, 1, 2, 3
+STEP_OK, STEP_UNREAD, STEP_AIO_UNAVAILABLE = 0, 1, -2
+
+
+class DiskFile(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int32), ("mode", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("direct", ctypes.c_int32), ("data_offset", ctypes.c_int64), ("base", ctypes.c_void_p),
+                ("lo", ctypes.c_int64), ("hi", ctypes.c_int64)]
+
+
+class DramCacheView(ctypes.Structure):
+    """Pointers into a DramRowCache's arrays (valid while the cache is open)."""
+
+    _fields_ = [("rows", ctypes.c_void_p), ("tags", ctypes.c_void_p), ("last", ctypes.c_void_p),
+                ("count", ctypes.c_void_p), ("sketch", ctypes.c_void_p), ("state", ctypes.c_void_p),
+                ("slots", ctypes.c_int64), ("ways", ctypes.c_int64), ("sets", ctypes.c_int64),
+                ("sketch_width", ctypes.c_int64), ("sample", ctypes.c_int64), ("frequency", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
+
+
+class StepResult(ctypes.Structure):
+    _fields_ = [("unique", ctypes.c_int64), ("misses", ctypes.c_int64), ("error", ctypes.c_int64),
+                ("failed", ctypes.c_int64)]
+
+
+def cache_view(cache) -> DramCacheView:
+    """The native view of a DramRowCache (its arrays are never reallocated while it is open)."""
+    arrays = (cache.rows, cache.tags, cache.last, cache.count, cache.sketch, cache._state)
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise EngramError("DRAM row cache: its arrays must be contiguous for the native step")
+    return DramCacheView(*(a.ctypes.data for a in arrays), cache.slots, cache.ways, cache.sets, cache.sketch_width,
+                         cache.sample, int(cache.admission == "frequency"), 0)
+
+
+def disk_step(file: DiskFile, cache: Optional[DramCacheView], ids: np.ndarray, wanted: np.ndarray,
+              local: np.ndarray, packed: np.ndarray, missed: np.ndarray, rows_out: Optional[np.ndarray],
+              decode_threads: int = 0) -> tuple[int, StepResult]:
+    """One native step over int64 ids [n] (contiguous) into the caller's buffers: wanted,
+    local, missed int64 [n], packed uint8 [>= max(1, n), 264], rows_out uint16 [n, 256] or
+    None (no decode). Returns (status, result); the caller holds the cache's lock."""
+    result = StepResult()
+    status = library().engram_disk_step(
+        ctypes.byref(file), None if cache is None else ctypes.byref(cache), ids.ctypes.data, ids.shape[0],
+        wanted.ctypes.data, local.ctypes.data, packed.ctypes.data, missed.ctypes.data,
+        None if rows_out is None else rows_out.ctypes.data, decode_threads, ctypes.byref(result))
+    if status < 0 and status != STEP_AIO_UNAVAILABLE:
+        raise EngramError(f"native disk step: bad arguments (status {status})")
+    return status, result
 
 
 AIO_UNAVAILABLE = -2

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -16,10 +17,8 @@
 
 #include <sched.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
 
+#include "../common/engram_denormals.h"
 #include "../common/engram_gather.h"
 
 namespace {
@@ -27,39 +26,7 @@ namespace {
 using engram::kRowBytes;
 using engram::kRowValues;
 
-// ---------------------------------------------------------------- FTZ guard
-// Another library in the process may have set flush-to-zero / denormals-are-zero (anything
-// built with -ffast-math does, at load). The 2^-127 scale is a denormal, so make sure each
-// thread that decodes runs with both off, and restore the caller's mode afterwards.
-class DenormalGuard {
-   public:
-    DenormalGuard() {
-#if defined(__x86_64__) || defined(__i386__)
-        saved_ = _mm_getcsr();
-        _mm_setcsr(saved_ & ~(kFtz | kDaz));
-#elif defined(__aarch64__)
-        __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
-        __asm__ volatile("msr fpcr, %0" ::"r"(saved_ & ~(uint64_t{1} << 24)));  // FZ bit
-#endif
-    }
-    ~DenormalGuard() {
-#if defined(__x86_64__) || defined(__i386__)
-        _mm_setcsr(saved_);
-#elif defined(__aarch64__)
-        __asm__ volatile("msr fpcr, %0" ::"r"(saved_));
-#endif
-    }
-    DenormalGuard(const DenormalGuard&) = delete;
-    DenormalGuard& operator=(const DenormalGuard&) = delete;
-
-   private:
-#if defined(__x86_64__) || defined(__i386__)
-    static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;
-    unsigned saved_ = 0;
-#else
-    uint64_t saved_ = 0;
-#endif
-};
+using engram::DenormalGuard;  // FTZ/DAZ off while decoding (the 2^-127 scale is a denormal)
 
 // ---------------------------------------------------------------- row loops
 struct Job {
@@ -78,6 +45,7 @@ enum Decoder : int {
     kHostFnuz = 1,        // host form, gfx942's fnuz decode + fix-up
     kDeviceSoft = 2,      // device form (gather_dequant_rows) thread by thread, OCP decode
     kDeviceFnuz = 3,      // device form with gfx942's fnuz decode + fix-up
+    kRawRows = 4,         // no decode: the packed rows themselves (bench/gather.py's limit)
 };
 
 // The GPU launchers' launch shape, emulated block by block.
@@ -149,6 +117,28 @@ ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
     rows_body<void, int64_t>(j, b, e);
 }
 
+// The same loop (ids, prefetch, threads) copying each packed row as it is: what a gather of
+// these rows costs with no decode, the limit bench/gather.py holds the decode against.
+template <typename IdT>
+void rows_raw(const Job& j, int64_t begin, int64_t end) {
+    uint8_t* out = reinterpret_cast<uint8_t*>(j.out);
+    for (int64_t r = begin; r < end; ++r) {
+        if (r + kPrefetchAhead < end) {
+            const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
+            if (engram::id_in_range(pid, j.lo, j.hi)) {
+                const char* p = reinterpret_cast<const char*>(j.table + (pid - j.lo) * kRowBytes);
+                for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(p + off);
+                __builtin_prefetch(p + kRowBytes - 1);
+            }
+        }
+        const int64_t id = id_at<IdT>(j, r);
+        if (engram::id_in_range(id, j.lo, j.hi))
+            memcpy(out + r * kRowBytes, j.table + (id - j.lo) * kRowBytes, kRowBytes);
+        else
+            memset(out + r * kRowBytes, 0, kRowBytes);
+    }
+}
+
 void run_rows(const Job& j, int64_t begin, int64_t end) {
     DenormalGuard guard;
     const bool i32 = j.id_bytes == 4;
@@ -164,6 +154,8 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
         case kDeviceFnuz:
             return i32 ? device_form<engram::EmulatedFnuzAsFn, int32_t>(j, begin, end)
                        : device_form<engram::EmulatedFnuzAsFn, int64_t>(j, begin, end);
+        case kRawRows:
+            return i32 ? rows_raw<int32_t>(j, begin, end) : rows_raw<int64_t>(j, begin, end);
     }
 }
 
@@ -318,6 +310,13 @@ int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, in
                                        int threads, int decoder) {
     if (decoder < kHostSoft || decoder > kDeviceFnuz) return engram::kBadArgument;
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, decoder);
+}
+
+// Benchmark limit: the packed rows of `ids` copied to out[n][264] (+0 rows outside [lo, hi)),
+// by the production gather's loop and threads minus the decode.
+int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
+                          int64_t hi, uint8_t* out, int threads) {
+    return gather(table, ids, id_bytes, n, lo, hi, reinterpret_cast<uint16_t*>(out), threads, kRawRows);
 }
 
 }  // extern "C"

@@ -440,3 +440,103 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
 }
 
 }  // extern "C"
+
+// ------------------------------------------------------------------ the native step
+#include "engram_disk_step.h"
+
+namespace engram_io {
+
+int read_misses(const DiskFile& f, const int64_t* rows, int64_t m, uint8_t* out, int64_t* failed) {
+    *failed = -1;
+    if (m == 0) return 0;
+    struct stat st;
+    if (fstat(f.fd, &st) != 0) return errno;
+    if (f.data_offset + (rows[m - 1] + 1) * kRowBytes > static_cast<int64_t>(st.st_size)) {  // truncated
+        *failed = m - 1;
+        return -1;
+    }
+    switch (f.mode) {
+        case kReadMapped:
+            return engram_rowio_copy_mapped(f.base, rows, m, out, f.threads, failed) == 0 ? 0 : EIO;
+        case kReadAio:
+            return engram_rowio_aio(f.fd, f.data_offset, rows, m, out, f.threads, failed);
+        case kReadPread:
+            return engram_rowio_pread(f.fd, f.data_offset, rows, m, out, f.threads, f.direct, failed);
+        default:
+            return 0;
+    }
+}
+
+}  // namespace engram_io
+
+extern "C" {
+
+// One layer's step: see engram_disk_step.h. ids[n] any global ids; wanted[n], local[n],
+// missed[n] and packed[max(1, n)][264] are the caller's; cache may be null (no DRAM cache);
+// rows_out [n][256] bf16 bits, or null (a GPU decodes the packed rows). decode_threads <= 0:
+// every usable core (or ENGRAM_CPU_THREADS). Returns a StepStatus; *result is always set.
+int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cache, const int64_t* ids, int64_t n,
+                     int64_t* wanted, int64_t* local, uint8_t* packed, int64_t* missed, uint16_t* rows_out,
+                     int decode_threads, engram_io::StepResult* result) {
+    using namespace engram_io;
+    *result = StepResult{0, 0, 0, -1};
+    if (file == nullptr || n < 0 || (n > 0 && (ids == nullptr || wanted == nullptr || local == nullptr ||
+                                                packed == nullptr || missed == nullptr)))
+        return kStepBadArgument;
+    const int64_t unique = dedupe(ids, n, file->lo, file->hi, wanted, local);
+    result->unique = unique;
+    // Hits copied, misses listed (positions in wanted). Every row is a miss without a cache.
+    static thread_local std::vector<int64_t> slot, miss_ids;
+    static thread_local std::vector<uint8_t> miss_rows;
+    slot.resize(static_cast<size_t>(unique));
+    if (cache != nullptr && unique > 0) {
+        lookup(*cache, wanted, unique, slot.data());
+    } else {
+        std::fill(slot.begin(), slot.end(), -1);
+    }
+    int64_t m = 0;
+    miss_ids.resize(static_cast<size_t>(unique));
+    for (int64_t i = 0; i < unique; ++i) {
+        if (slot[i] >= 0) {
+            memcpy(packed + i * kRowBytes, cache->rows + slot[i] * kRowBytes, kRowBytes);
+        } else {
+            missed[m] = i;
+            miss_ids[static_cast<size_t>(m++)] = wanted[i];
+        }
+    }
+    result->misses = m;
+    if (file->mode == kReadNone && m > 0) return kStepUnread;
+    miss_rows.resize(static_cast<size_t>(std::max<int64_t>(m, 1) * kRowBytes));
+    int64_t failed = -1;
+    const int err = read_misses(*file, miss_ids.data(), m, miss_rows.data(), &failed);
+    if (err != 0) {
+        result->error = err == kStepAioUnavailable ? 0 : err;
+        result->failed = failed;
+        return err == kStepAioUnavailable ? kStepAioUnavailable : kStepUnread;
+    }
+    for (int64_t k = 0; k < m; ++k) memcpy(packed + missed[k] * kRowBytes, miss_rows.data() + k * kRowBytes, kRowBytes);
+    if (cache != nullptr) admit(*cache, miss_ids.data(), m, miss_rows.data(), kRowBytes);
+    if (rows_out != nullptr && n > 0) {
+        int threads = decode_threads > 0 ? decode_threads : default_decode_threads();
+        if (n < kDecodeSerial) threads = 1;
+        const int64_t tasks = (n + kDecodeGrain - 1) / kDecodeGrain;
+        pool().run(threads, tasks, [&](int64_t t) {
+            decode_rows(packed, local, unique, t * kDecodeGrain, std::min(n, (t + 1) * kDecodeGrain), rows_out);
+        });
+    }
+    return kStepOk;
+}
+
+// The layout of the structures above, checked by stores/rowio.py against its ctypes copies.
+int64_t engram_disk_step_layout(int what) {
+    using namespace engram_io;
+    switch (what) {
+        case 0: return static_cast<int64_t>(sizeof(DiskFile));
+        case 1: return static_cast<int64_t>(sizeof(DramCache));
+        case 2: return static_cast<int64_t>(sizeof(StepResult));
+        case 3: return kStateLen;
+        default: return -1;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,196 @@
+"""The disk tier's decode step, native step vs the numpy path, against the disk's own IOPS.
+
+One layer's decode step (batch 16, 64, 256 concurrent streams of real text hashed the
+DeepSeek-V4.1 way, 24 rows a token) on a table read by O_DIRECT (so every miss reaches the
+disk, whatever the page cache holds) behind a DRAM row cache of 10% of the table, warmed with
+the same streams' earlier tokens. Two stores on the same file with the same cache state (the
+warmed one's arrays copied into the other): the native step (`native_step=True`, one native
+call per step) and the numpy path it replaces, stepped alternately over the same steps, so
+their hits, misses and disk are the same. Per step: wall time against its miss floor (unique
+misses / the disk's 4 KiB random-read IOPS, fio, measured before and after in the same run)
+and CPU time (process time, all threads), for two shapes of the call:
+
+* cpu: the whole step where the compute device is the CPU (the native call decodes too);
+* gpu-host-half: what the host does for a GPU step (dedupe, lookup, reads, admission into
+  the packed staging; the GPU decodes), the CPU time a GPU server pays per layer and step.
+
+    python bench/disk_step.py [--rows-per-layer 8000000] [--dram-share 0.1] [--batches 16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT, print_table, write_json  # noqa: E402
+from tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
+from workload import hashed_streams  # noqa: E402
+
+from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
+from engram_sglang.stores import open_store  # noqa: E402
+from engram_sglang.tablefile import layer_file_name  # noqa: E402
+
+PATHS = ("native", "python")
+SHAPES = ("cpu", "gpu-host-half")
+
+
+def copy_cache(src, dst) -> None:
+    """dst's DRAM cache := src's (same size): both paths start from the same state."""
+    a, b = src.dram, dst.dram
+    for name in ("rows", "tags", "last", "count", "sketch", "_state"):
+        np.copyto(getattr(b, name), getattr(a, name))
+
+
+def host_half(store, ids: torch.Tensor) -> None:
+    """The host's part of a GPU step: packed rows and staging indices, no decode."""
+    flat = ids.reshape(-1).numpy()
+    local = np.empty(flat.shape[0], np.int64)
+    packed = np.empty((max(1, flat.shape[0]), ROW_BYTES), np.uint8)
+    if store.native_step:
+        store._native.run(flat, local, packed)
+    else:
+        wanted, _ = store._plan(flat, local_out=local)
+        store._timed_read(wanted, out=packed[: wanted.shape[0]])
+
+
+def run_steps(stores: dict, streams, batch: int, start: int, steps: int, shape: str) -> dict:
+    """Steps start..start+steps of the first `batch` streams on both stores, alternating which
+    goes first; per store: wall and CPU seconds, unique misses and DRAM hits per step."""
+    out = {p: {"wall": [], "cpu": [], "misses": [], "hits": 0, "lookups": 0} for p in PATHS}
+    call = (lambda s, ids: s.gather(ids)) if shape == "cpu" else host_half
+    for t in range(start, start + steps):
+        ids = torch.stack([streams[b][t, 0] for b in range(batch)])
+        for p in (PATHS if t % 2 == 0 else PATHS[::-1]):
+            s, r = stores[p], out[p]
+            read0, hits0, looked0 = s.stats()["file_rows_read"], s.dram.hits, s.dram.lookups
+            c0, t0 = time.process_time(), time.perf_counter()
+            call(s, ids)
+            r["wall"].append(time.perf_counter() - t0)
+            r["cpu"].append(time.process_time() - c0)
+            r["misses"].append(s.stats()["file_rows_read"] - read0)
+            r["hits"] += s.dram.hits - hits0
+            r["lookups"] += s.dram.lookups - looked0
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows-per-layer", type=int, default=8_000_000)
+    ap.add_argument("--kind", choices=("code", "prose"), default="code")
+    ap.add_argument("--dram-share", type=float, default=0.1)
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--steps", type=int, default=30, help="measured decode steps per batch and shape")
+    ap.add_argument("--warm-tokens", type=int, default=96 * 1024, help="tokens (all streams) read into the cache first")
+    ap.add_argument("--threads", type=int, default=64, help="reads in flight")
+    ap.add_argument("--iops-seconds", type=float, default=5.0)
+    args = ap.parse_args()
+
+    cfg, streams, n_tokens = hashed_streams(args.rows_per_layer, args.kind, layer_ids=(1,))
+    root = ensure_table(cfg, args.rows_per_layer)
+    path = root / layer_file_name(cfg.layer_ids[0])
+    table_bytes = path.stat().st_size
+    batches = [int(x) for x in args.batches.split(",")]
+    warm = max(1, args.warm_tokens // len(streams))
+    need = warm + 1 + len(batches) * len(SHAPES) * args.steps
+    if min(s.shape[0] for s in streams) < need:
+        raise SystemExit(f"disk_step: streams of {min(s.shape[0] for s in streams)} tokens, need {need}: "
+                         f"fewer --steps or --warm-tokens")
+    disk_iops(path, 2.0, args.threads)  # untimed: the first reads after a pause run slow here
+    before, tool = disk_iops(path, args.iops_seconds, args.threads)
+    opts = dict(cfg=cfg, threads=args.threads, direct=True, dram_cache_bytes=int(args.dram_share * table_bytes))
+    stores = {p: open_store(root, "disk", **opts)[cfg.layer_ids[0]] for p in PATHS}
+    stores["python"].native_step = False
+    results = []
+    try:
+        print(f"{table_bytes / 2**30:.2f} GiB table, O_DIRECT, DRAM cache {stores['native'].dram.nbytes / 2**20:.0f} MiB "
+              f"({args.dram_share:.0%}); warming with {warm} tokens of {len(streams)} streams ...", flush=True)
+        warm_cache(stores["native"], streams, warm)
+        copy_cache(stores["native"], stores["python"])
+        t = warm
+        for s in stores.values():  # first calls: AIO contexts, thread pools
+            s.gather(torch.stack([streams[b][t, 0] for b in range(16)]))
+        copy_cache(stores["native"], stores["python"])
+        t += 1
+        for shape in SHAPES:
+            for batch in batches:
+                r = run_steps(stores, streams, batch, t, args.steps, shape)
+                t += args.steps
+                for p in PATHS:
+                    x = r[p]
+                    wall, cpu, misses = np.array(x["wall"]), np.array(x["cpu"]), np.array(x["misses"], float)
+                    results.append({"shape": shape, "batch": batch, "path": p, "steps": args.steps,
+                                    "ms_per_step": 1e3 * wall.mean(), "p50_ms": 1e3 * float(np.median(wall)),
+                                    "p99_ms": 1e3 * float(np.percentile(wall, 99)),
+                                    "cpu_ms_per_step": 1e3 * cpu.mean(), "misses_per_step": misses.mean(),
+                                    "dram_hit_rate": x["hits"] / max(1, x["lookups"])})
+                n, py = results[-2], results[-1]
+                print(f"  {shape:13s} batch {batch:3d}: native {n['ms_per_step']:7.2f} ms ({n['cpu_ms_per_step']:6.2f} "
+                      f"CPU ms), python {py['ms_per_step']:7.2f} ms ({py['cpu_ms_per_step']:6.2f} CPU ms), "
+                      f"{n['misses_per_step']:.0f} misses, hit {n['dram_hit_rate']:.1%} / {py['dram_hit_rate']:.1%}",
+                      flush=True)
+    finally:
+        for s in stores.values():
+            s.close()
+    after, _ = disk_iops(path, args.iops_seconds, args.threads)
+    iops = (before + after) / 2
+    for r in results:
+        r["floor_ms"] = 1e3 * r["misses_per_step"] / iops
+        r["vs_floor"] = r["ms_per_step"] / max(r["floor_ms"], 1e-9)
+    by = {(r["shape"], r["batch"], r["path"]): r for r in results}
+    for r in results:
+        if r["path"] == "native":
+            py = by[(r["shape"], r["batch"], "python")]
+            r["cpu_x_below_python"] = py["cpu_ms_per_step"] / max(r["cpu_ms_per_step"], 1e-9)
+            r["same_hit_rate"] = r["dram_hit_rate"] == py["dram_hit_rate"]
+    limits = {"iops": iops, "iops_before": before, "iops_after": after, "iops_tool": tool, "table_bytes": table_bytes}
+    print_table(
+        f"Disk tier decode step, one layer: {table_bytes / 2**30:.2f} GiB table by O_DIRECT, DRAM cache "
+        f"{args.dram_share:.0%}; disk {iops / 1e3:.1f} k IOPS ({before / 1e3:.1f} before, {after / 1e3:.1f} after; {tool})",
+        ["shape", "batch", "path", "ms/step", "p99 ms", "misses", "floor ms", "vs floor", "CPU ms/step",
+         "CPU x below py", "DRAM hit"],
+        [[r["shape"], r["batch"], r["path"], r["ms_per_step"], r["p99_ms"], r["misses_per_step"], r["floor_ms"],
+          r["vs_floor"], r["cpu_ms_per_step"], f"{r['cpu_x_below_python']:.1f}" if "cpu_x_below_python" in r else "",
+          f"{r['dram_hit_rate']:.1%}"] for r in results])
+    write_json("disk_step", {"args": vars(args), "limits": limits, "results": results})
+    plot(results, limits)
+    return 0
+
+
+def plot(results, limits) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, shape in zip(axes, SHAPES):
+        rs = [r for r in results if r["shape"] == shape]
+        batches = sorted({r["batch"] for r in rs})
+        x = np.arange(len(batches))
+        for k, p in enumerate(PATHS):
+            ms = [next(r for r in rs if r["batch"] == b and r["path"] == p) for b in batches]
+            ax.bar(x + (k - 0.5) * 0.38, [r["ms_per_step"] for r in ms], 0.38, label=f"{p}: wall ms")
+            ax.bar(x + (k - 0.5) * 0.38, [r["cpu_ms_per_step"] for r in ms], 0.2, color="k", alpha=0.5,
+                   label="CPU ms" if k == 0 else None)
+        floors = [next(r for r in rs if r["batch"] == b and r["path"] == "native")["floor_ms"] for b in batches]
+        ax.plot(x, floors, "r_", ms=30, mew=2, label="miss floor (misses / IOPS)")
+        ax.set_xticks(x, [f"batch {b}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (one layer)")
+        ax.set_title(shape)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Disk tier step: native vs numpy, {limits['table_bytes'] / 2**30:.1f} GiB table, O_DIRECT, "
+                 f"{limits['iops'] / 1e3:.0f} k IOPS")
+    fig.tight_layout()
+    fig.savefig(OUT / "disk_step.png", dpi=110)
+    print(f"wrote {OUT / 'disk_step.json'} and {OUT / 'disk_step.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+// engram_disk_step.h: the disk tier's step in one native call per layer (included by
+// engram_rowio.cpp, whose row reads it uses).
+//
+// One call takes a step's row ids and buffers and does what engram_sglang/stores/disk.py does
+// per call in numpy: dedupe the ids (sorted, this shard's only), look them up in the DRAM row
+// cache, copy the hits, read the misses (mapping, native AIO or pread, as the store reads),
+// admit them (engram_dram_policy.h: the Python cache's own policy and state), and where the
+// compute device is the CPU decode every id's row to bf16 (the host gather's row decode,
+// dequant_row_host, on the pool's threads when it pays). On a GPU the packed rows and each
+// id's staging index land in the caller's pinned buffers and the GPU decodes them.
+//
+// A read that fails (or a truncated file, or no AIO here) returns kStepUnread with the hits
+// copied, the misses listed and nothing admitted or decoded: the Python store reads the misses
+// again (retries, pread's errno, which rows fail) and finishes the call as its Python path does.
+#pragma once
+
+#include <sched.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+#include "../common/engram_denormals.h"
+#include "../common/engram_gather.h"
+#include "engram_dram_policy.h"
+
+namespace engram_io {
+
+enum ReadMode : int32_t { kReadMapped = 0, kReadAio = 1, kReadPread = 2, kReadNone = 3 };
+enum StepStatus : int { kStepOk = 0, kStepUnread = 1, kStepBadArgument = -1, kStepAioUnavailable = -2 };
+
+// The store's file (ctypes structure of the same layout in stores/rowio.py).
+struct DiskFile {
+    int32_t fd, mode;        // a ReadMode; kReadNone: the caller reads the misses (tests, fallbacks)
+    int32_t threads, direct; // reads in flight; O_DIRECT file (pread mode)
+    int64_t data_offset;     // byte of row 0
+    const uint8_t* base;     // row 0 in the mapping (kReadMapped)
+    int64_t lo, hi;          // the shard's global rows
+};
+
+struct StepResult {
+    int64_t unique;  // distinct ids of this shard (rows of `packed`)
+    int64_t misses;  // of them, not in the DRAM cache (positions in `missed`)
+    int64_t error;   // errno of a failed read, -1 short read / past the end, 0
+    int64_t failed;  // index into the misses of a failed read, else -1
+};
+
+// Rows decoded per task, and below how many ids one thread does it all (as the host gather).
+constexpr int64_t kDecodeGrain = 64;
+constexpr int64_t kDecodeSerial = 128;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ENGRAM_IO_ISA_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define ENGRAM_IO_ISA_CLONES
+#endif
+
+// bf16 rows of ids [b, e): staging row local[i], or +0 for an id outside the shard (local == unique).
+ENGRAM_IO_ISA_CLONES inline void decode_rows(const uint8_t* packed, const int64_t* local, int64_t unique, int64_t b,
+                                     int64_t e, uint16_t* out) {
+    engram::DenormalGuard guard;
+    for (int64_t i = b; i < e; ++i) {
+        uint16_t* o = out + i * engram::kRowValues;
+        if (local[i] < unique)
+            engram::dequant_row_host(packed + local[i] * engram::kRowBytes, o);
+        else
+            for (int k = 0; k < engram::kRowValues; ++k) o[k] = 0;
+    }
+}
+
+inline int default_decode_threads() {
+    if (const char* env = std::getenv("ENGRAM_CPU_THREADS")) {
+        const int v = std::atoi(env);
+        if (v > 0) return v;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+    return 1;
+}
+
+// Sorted distinct ids of [lo, hi) into `wanted`, each id's index in it into `local` (unique
+// for ids outside); returns unique. One sort of (id, position) pairs gives both.
+inline int64_t dedupe(const int64_t* ids, int64_t n, int64_t lo, int64_t hi, int64_t* wanted, int64_t* local) {
+    static thread_local std::vector<std::pair<int64_t, int64_t>> pairs;
+    pairs.resize(static_cast<size_t>(n));
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (ids[i] >= lo && ids[i] < hi)
+            pairs[static_cast<size_t>(live++)] = {ids[i], i};
+        else
+            local[i] = -1;  // set to `unique` below
+    }
+    std::sort(pairs.begin(), pairs.begin() + live);
+    int64_t unique = 0;
+    for (int64_t k = 0; k < live; ++k) {
+        if (unique == 0 || wanted[unique - 1] != pairs[static_cast<size_t>(k)].first)
+            wanted[unique++] = pairs[static_cast<size_t>(k)].first;
+        local[pairs[static_cast<size_t>(k)].second] = unique - 1;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        if (local[i] < 0) local[i] = unique;
+    return unique;
+}
+
+// Reads rows `rows[0..m)` (ascending, all in the file) to out by the file's mode. 0, or an errno
+// / -1 (short read) with *failed, or kStepAioUnavailable.
+int read_misses(const DiskFile& f, const int64_t* rows, int64_t m, uint8_t* out, int64_t* failed);
+
+}  // namespace engram_io

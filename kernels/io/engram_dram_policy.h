@@ -1,0 +1,207 @@
+// engram_dram_policy.h: the DRAM row cache's policy (engram_sglang/stores/dram_cache.py), ported
+// to run inside the disk tier's native step.
+//
+// The state is DramRowCache's own numpy arrays (rows, tags, last use, counts, the count-min
+// sketch) and its scalars (one int64 array), so the Python policy and this one act on the same
+// cache: a read-ahead admitted from Python and a step served here see each other's rows.
+// Each function mirrors one method of DramRowCache statement by statement, including numpy's
+// tie-breaking (stable sorts, counts computed before any counter is raised), so the two give
+// the same hits, admissions and evictions on the same trace (tests/test_disk_step.py checks it).
+// Called only with the Python cache's lock held by the caller.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace engram_io {
+
+constexpr int64_t kSketchDepth = 4;
+constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D6478BD642Full,
+                                                 0xE7037ED1A0B428DBull, 0x8EBC6AF09C88C6E3ull};
+constexpr int kCountCap = 255;
+constexpr int kClockBits = 48;
+constexpr int64_t kUsedNow = INT64_MAX;
+
+// Indices of DramRowCache._state (dram_cache.py names the same positions).
+enum StateIndex : int { kClock = 0, kSinceAging, kAgings, kAhead, kLookups, kHits, kAdmitted, kRejected, kStateLen };
+
+// What the Python cache hands over (ctypes structure of the same layout in stores/rowio.py).
+struct DramCache {
+    uint8_t* rows;    // [slots, 264]
+    int64_t* tags;    // [slots], -1 empty
+    int64_t* last;    // [slots], clock of the last use
+    uint8_t* count;   // [slots]
+    uint8_t* sketch;  // [depth * width]
+    int64_t* state;   // [kStateLen]
+    int64_t slots, ways, sets, sketch_width, sample;
+    int32_t frequency;  // 1: frequency admission, 0: LRU
+    int32_t pad_;
+};
+
+inline uint64_t mix64(int64_t id) {
+    uint64_t z = static_cast<uint64_t>(id);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+inline int64_t set_of(const DramCache& c, int64_t id) {
+    const uint64_t h = mix64(id) >> 32;
+    return static_cast<int64_t>((h * static_cast<uint64_t>(c.sets)) >> 32);
+}
+
+inline void sketch_index(const DramCache& c, int64_t id, int64_t where[kSketchDepth]) {
+    const uint64_t m = mix64(id);
+    for (int64_t d = 0; d < kSketchDepth; ++d) {
+        const uint64_t h = (m * kSketchMults[d]) >> 32;
+        where[d] = static_cast<int64_t>((h * static_cast<uint64_t>(c.sketch_width)) >> 32) + d * c.sketch_width;
+    }
+}
+
+inline uint8_t estimate(const DramCache& c, int64_t id) {
+    int64_t where[kSketchDepth];
+    sketch_index(c, id, where);
+    uint8_t m = c.sketch[where[0]];
+    for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, c.sketch[where[d]]);
+    return m;
+}
+
+// The slot holding id, or -1.
+inline int64_t find(const DramCache& c, int64_t id) {
+    const int64_t base = set_of(c, id) * c.ways;
+    for (int64_t w = 0; w < c.ways; ++w)
+        if (c.tags[base + w] == id) return base + w;
+    return -1;
+}
+
+inline void age(DramCache& c) {
+    const int64_t n = kSketchDepth * c.sketch_width;
+    for (int64_t i = 0; i < n; ++i) c.sketch[i] >>= 1;
+    for (int64_t i = 0; i < c.slots; ++i) c.count[i] >>= 1;
+    c.state[kSinceAging] = 0;
+    c.state[kAgings] += 1;
+}
+
+// DramRowCache._count: one read of each distinct id, conservative update; every new count is
+// computed from the counters as they were before this call (numpy's vectorized order), then
+// each counter takes the largest new count among the ids that share it (np.maximum.at).
+inline void count_reads(DramCache& c, const int64_t* ids, int64_t n, uint8_t* counts) {
+    std::vector<int64_t> where(static_cast<size_t>(n * kSketchDepth));
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t* w = where.data() + i * kSketchDepth;
+        sketch_index(c, ids[i], w);
+        uint8_t m = c.sketch[w[0]];
+        for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, c.sketch[w[d]]);
+        counts[i] = static_cast<uint8_t>(m + (m < kCountCap ? 1 : 0));
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < kSketchDepth; ++d) {
+            uint8_t& s = c.sketch[where[static_cast<size_t>(i * kSketchDepth + d)]];
+            s = std::max(s, counts[i]);
+        }
+    c.state[kSinceAging] += n;
+    if (c.state[kSinceAging] >= c.sample) age(c);
+}
+
+// DramRowCache.lookup of sorted distinct ids: slot[i] (or -1); marks hits used, counts reads.
+// Returns the number of hits.
+inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot) {
+    const int64_t clock = ++c.state[kClock];
+    c.state[kAhead] = 0;
+    int64_t hits = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        slot[i] = find(c, ids[i]);
+        if (slot[i] >= 0) {
+            c.last[slot[i]] = clock;
+            ++hits;
+        }
+    }
+    if (c.frequency && n > 0) {
+        std::vector<uint8_t> counts(static_cast<size_t>(n));
+        count_reads(c, ids, n, counts.data());
+        for (int64_t i = 0; i < n; ++i)
+            if (slot[i] >= 0) c.count[slot[i]] = counts[static_cast<size_t>(i)];
+    }
+    c.state[kLookups] += n;
+    c.state[kHits] += hits;
+    return hits;
+}
+
+// DramRowCache.admit of rows[k] (at rows + k * 264) of distinct uncached ids, right after a
+// lookup (never a read-ahead: lookup cleared that flag). All decisions are made on the state
+// before this call's first write, as the vectorized Python does. Returns the rows admitted.
+inline int64_t admit(DramCache& c, const int64_t* ids, int64_t n, const uint8_t* rows, int64_t row_bytes) {
+    const bool ahead = c.state[kAhead] != 0;
+    c.state[kAhead] = 0;
+    if (n == 0) return 0;
+    const int64_t clock = c.state[kClock];
+    const bool frequency = c.frequency != 0;
+    std::vector<int64_t> sets(static_cast<size_t>(n));
+    std::vector<uint8_t> count(static_cast<size_t>(n), 0);
+    for (int64_t i = 0; i < n; ++i) {
+        sets[i] = set_of(c, ids[i]);
+        if (frequency) count[i] = estimate(c, ids[i]);
+    }
+    // np.lexsort((-count, sets)) (most read first within a set) or argsort(sets, stable).
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    if (frequency && !ahead)
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+            return sets[a] != sets[b] ? sets[a] < sets[b] : count[a] > count[b];
+        });
+    else
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sets[a] < sets[b]; });
+    struct Pick {
+        int64_t slot, src;
+        uint8_t count;
+    };
+    std::vector<Pick> picks;
+    picks.reserve(static_cast<size_t>(n));
+    std::vector<int64_t> key(static_cast<size_t>(c.ways)), by_age(static_cast<size_t>(c.ways));
+    int64_t rejected = 0;
+    for (int64_t k = 0; k < n;) {
+        const int64_t set = sets[order[k]];
+        int64_t end = k;
+        while (end < n && sets[order[end]] == set) ++end;
+        // The set's ways, weakest first (stable argsort of the key), from the state before writes.
+        const int64_t base = set * c.ways;
+        for (int64_t w = 0; w < c.ways; ++w) {
+            const int64_t last = c.last[base + w];
+            key[w] = !frequency ? last
+                     : last < clock ? (static_cast<int64_t>(c.count[base + w]) << kClockBits) | last
+                                    : kUsedNow;
+            by_age[w] = w;
+        }
+        std::stable_sort(by_age.begin(), by_age.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+        for (int64_t rank = 0; rank < end - k && rank < c.ways; ++rank) {
+            const int64_t src = order[k + rank];
+            const int64_t slot = base + by_age[rank];
+            bool free = c.last[slot] < clock || c.tags[slot] < 0;
+            uint8_t cnt = count[src];
+            if (frequency) {
+                if (!ahead) {
+                    const bool won = c.tags[slot] < 0 || cnt >= c.count[slot];
+                    if (free && !won) ++rejected;
+                    free = free && won;
+                } else {
+                    cnt = std::max<uint8_t>(cnt, 1);
+                }
+            }
+            if (free) picks.push_back({slot, src, cnt});
+        }
+        k = end;
+    }
+    for (const Pick& p : picks) {
+        c.tags[p.slot] = ids[p.src];
+        c.last[p.slot] = clock;
+        if (frequency) c.count[p.slot] = p.count;
+        std::memcpy(c.rows + p.slot * row_bytes, rows + p.src * row_bytes, static_cast<size_t>(row_bytes));
+    }
+    c.state[kRejected] += rejected;
+    c.state[kAdmitted] += static_cast<int64_t>(picks.size());
+    return static_cast<int64_t>(picks.size());
+}
+
+}  // namespace engram_io

@@ -1,0 +1,259 @@
+"""The disk tier's native step (one native call per layer and step) against the numpy path.
+
+Same bits, same DRAM-cache hits and the same cache state (tags, counts, sketch, clock and
+counters) on the same trace; both on the CPU (the native call decodes) and through the GPU
+staging path (fake streams: the native call stages packed rows); ids past 2^31 bytes into
+a file; a closed store; a real read error injected in libc by the fault shim.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_table_dir, small_config
+from fake_streams import RecordingStreams
+from engram_sglang import rowformat
+from engram_sglang.errors import EngramError
+from engram_sglang.hashing import EngramLayout
+from engram_sglang.rowformat import ROW_BYTES, ROW_VALUES, bf16_bits
+from engram_sglang.stores import open_store, rowio
+from engram_sglang.stores.dram_cache import DramRowCache
+from engram_sglang.tablefile import DATA_OFFSET
+
+CFG = small_config(400)
+LAYOUT = EngramLayout(CFG)
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS_LIB = ROOT / "build" / "kernels" / "libengram_faults.so"
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    return random_table_dir(tmp_path_factory.mktemp("tables"), CFG)
+
+
+def reference(rows: np.ndarray, ids: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    flat = ids.reshape(-1).numpy()
+    hi = rows.shape[0] if hi is None else hi
+    out = bf16_bits(rowformat.dequantize(torch.from_numpy(rows[flat])))
+    out[torch.from_numpy((flat < lo) | (flat >= hi))] = 0
+    return out.view(*ids.shape, ROW_VALUES)
+
+
+def cache_state(store) -> tuple:
+    d = store.dram
+    return (d.tags.copy(), d.last.copy(), d.count.copy(), d.sketch.copy(), d._state.copy(), d.rows.copy())
+
+
+def trace(gen: torch.Generator, rows: int, steps: int) -> list[torch.Tensor]:
+    """Decode-step-like calls: a popular head (repeats within and across calls), a uniform
+    tail, and the first and last row now and then."""
+    calls = []
+    for k in range(steps):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        hot = torch.randint(0, max(1, rows // 50), (n,), generator=gen)
+        cold = torch.randint(0, rows, (n,), generator=gen)
+        ids = torch.where(torch.rand(n, generator=gen) < 0.5, hot, cold)
+        if k % 5 == 0:
+            ids[0], ids[-1] = 0, rows - 1
+        calls.append(ids.view(-1, 1) if k % 2 else ids)
+    return calls
+
+
+# (store options, tensor-parallel rank and size): every read mode, with and without a DRAM
+# cache, a whole table and a shard (ids outside it read +0).
+CASES = {"mapped": ({}, 0, 1), "aio-shard": ({"direct": True, "threads": 4}, 1, 2),
+         "mapped+dram-shard": ({"dram_cache_bytes": 40 << 10, "threads": 4}, 0, 2),
+         "aio+dram": ({"direct": True, "threads": 8, "dram_cache_bytes": 40 << 10}, 0, 1)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("how", ["cpu", "gpu-staging"])
+def test_native_step_equals_the_numpy_path(tables, rng, case, how):
+    root, rows = tables
+    L = CFG.layer_ids[0]
+    options, tp_rank, tp_size = CASES[case]
+    native = open_store(root, "disk", cfg=CFG, tp_rank=tp_rank, tp_size=tp_size, **options)
+    python = open_store(root, "disk", cfg=CFG, tp_rank=tp_rank, tp_size=tp_size, **options)
+    try:
+        a, b = native[L], python[L]
+        b.native_step = False
+        if how == "gpu-staging":
+            a._streams, b._streams = RecordingStreams(), RecordingStreams()
+        lo, hi = a.row_range
+        for ids in trace(rng, a.rows, 40):
+            if how == "cpu":
+                got, want = a.gather(ids), b.gather(ids)
+            else:
+                got, want = a.prefetch(ids).wait(), b.prefetch(ids).wait()
+            assert torch.equal(bf16_bits(got), bf16_bits(want))
+            assert torch.equal(bf16_bits(got), reference(rows[L], ids, lo, hi))
+        sa, sb = a.stats(), b.stats()
+        assert sa["file_rows_read"] == sb["file_rows_read"] and sa["unique_rows"] == sb["unique_rows"]
+        if a.dram is not None:
+            assert 0 < sa["dram_cache_hit_rate"] < 1 and sa["dram_cache_agings"] > 0  # the trace exercises aging
+            for x, y in zip(cache_state(a), cache_state(b)):
+                assert np.array_equal(x, y)
+            assert {k: v for k, v in sa.items() if k.startswith("dram")} == \
+                {k: v for k, v in sb.items() if k.startswith("dram")}
+    finally:
+        for s in [*native.values(), *python.values()]:
+            s.close()
+
+
+def test_native_step_shares_the_cache_with_read_ahead_and_fills_out(tables, rng):
+    """Rows read ahead by the Python side are hits of the native step; `out` is filled."""
+    root, rows = tables
+    L = CFG.layer_ids[-1]
+    store = open_store(root, "disk", cfg=CFG, direct=True, dram_cache_bytes=64 << 20)[L]
+    try:
+        ids = torch.randint(0, store.rows, (50, 8), generator=rng)
+        store.read_ahead(ids).result()
+        read = store.stats()["file_rows_read"]
+        out = torch.empty((50, 8, ROW_VALUES), dtype=torch.bfloat16)
+        assert store.gather(ids, out=out) is out
+        assert store.stats()["file_rows_read"] == read and store.dram.hits == torch.unique(ids).numel()
+        assert torch.equal(bf16_bits(out), reference(rows[L], ids))
+        strided = torch.empty((8, 50, ROW_VALUES), dtype=torch.bfloat16).transpose(0, 1)  # not contiguous
+        store.gather(ids, out=strided)
+        assert torch.equal(bf16_bits(strided), reference(rows[L], ids))
+    finally:
+        store.close()
+
+
+def test_a_closed_store_is_one_clear_error(tables):
+    root, _ = tables
+    store = open_store(root, "disk", cfg=CFG, dram_cache_bytes=1 << 20)[CFG.layer_ids[0]]
+    store.close()
+    with pytest.raises(EngramError, match="is closed"):
+        store.gather(torch.arange(4))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "dram"])
+@pytest.mark.parametrize("mode", ["mapped", "aio", "pread"])
+def test_rows_past_2_gib_into_a_sparse_file(tmp_path, rng, mode, cached):
+    """Byte offsets past 2^31 (int64 all the way): a sparse file of 9M rows, a few written."""
+    n_rows = 9_000_000  # 2.4 GB of rows, nearly all holes
+    ids = np.array([0, 1, 8_134_500, 8_134_501, n_rows - 2, n_rows - 1], dtype=np.int64)
+    data = torch.randint(0, 256, (ids.shape[0], ROW_BYTES), dtype=torch.uint8, generator=rng).numpy()
+    path = tmp_path / "sparse.rows"
+    with open(path, "wb") as f:
+        for i, row in zip(ids, data):
+            f.seek(DATA_OFFSET + int(i) * ROW_BYTES)
+            f.write(row.tobytes())
+        f.truncate(DATA_OFFSET + n_rows * ROW_BYTES)
+    assert DATA_OFFSET + int(ids[2]) * ROW_BYTES > 2**31
+    direct = mode == "aio"
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    import mmap
+
+    mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if mode == "mapped" else None
+    cache = DramRowCache(1 << 20, huge_pages=False) if cached else None
+    try:
+        base = np.frombuffer(mapping, np.uint8).ctypes.data + DATA_OFFSET if mapping is not None else 0
+        f = rowio.DiskFile(fd, {"mapped": rowio.READ_MAPPED, "aio": rowio.READ_AIO, "pread": rowio.READ_PREAD}[mode],
+                           4, int(direct), DATA_OFFSET, base, 0, n_rows)
+        view = rowio.cache_view(cache) if cached else None
+        request = np.concatenate([ids[::-1], ids, [n_rows + 5, -1]])  # duplicates, unordered, two outside
+        n = request.shape[0]
+        for attempt in range(2):  # the second: every row a hit when cached
+            wanted, local, missed = (np.empty(n, np.int64) for _ in range(3))
+            packed = np.zeros((n, ROW_BYTES), np.uint8)
+            out = np.empty((n, ROW_VALUES), np.uint16)
+            status, res = rowio.disk_step(f, view, request, wanted, local, packed, missed, out)
+            assert status == rowio.STEP_OK and res.unique == ids.shape[0]
+            assert res.misses == (0 if cached and attempt else ids.shape[0])
+            assert np.array_equal(wanted[: res.unique], ids) and np.array_equal(packed[: res.unique], data)
+            assert local[-2:].tolist() == [res.unique, res.unique]
+            want = bf16_bits(rowformat.dequantize(torch.from_numpy(data[local[:-2]])))
+            assert torch.equal(torch.from_numpy(out[:-2].view(np.int16)), want) and not out[-2:].any()
+        if cached:
+            assert cache.hits == ids.shape[0] and cache.lookups == 2 * ids.shape[0]
+    finally:
+        if mapping is not None:
+            del base
+            mapping.close()
+        os.close(fd)
+        if cache is not None:
+            cache.close()
+
+
+@pytest.mark.skipif(not FAULTS_LIB.is_file(), reason="build/kernels/libengram_faults.so not built (make faults)")
+def test_a_real_read_error_inside_the_native_step_is_contained(tables, tmp_path):
+    """EIO injected inside libc (pread and AIO events) while the arm file exists: the native
+    step's read fails, the store's reader retries and names the rows; the DRAM cache's rows
+    are still served; once disarmed the same call reads right."""
+    root, _ = tables
+    arm = tmp_path / "arm"
+    script = textwrap.dedent(f"""
+        import errno, os, sys, time, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from conftest import small_config
+        from engram_sglang.stores import open_store
+        from engram_sglang.stores.base import TableReadFault
+        L = small_config(400).layer_ids[0]
+        store = open_store({str(root)!r}, "disk", cfg=small_config(400), direct=True, retries=1,
+                           dram_cache_bytes=1 << 20)[L]
+        cached = torch.arange(0, 40)
+        good = store.gather(cached)
+        open({str(arm)!r}, "w").close()
+        time.sleep(0.05)  # the shim looks at the arm file every 20 ms at most
+        assert torch.equal(store.gather(cached).view(torch.int16), good.view(torch.int16))  # all hits: no read
+        fresh = torch.arange(100, 140)
+        try:
+            store.gather(fresh)
+            raise SystemExit("no fault")
+        except TableReadFault as e:
+            assert e.errno_ == errno.EIO and sorted(e.failed_ids.tolist()) == list(range(100, 140)), e
+            assert not e.rows.any()
+        os.unlink({str(arm)!r})
+        time.sleep(0.05)
+        assert store.gather(fresh).view(torch.int16).any()
+        print("contained")
+    """)
+    env = {**os.environ, "LD_PRELOAD": str(FAULTS_LIB), "ENGRAM_FAULTS_MATCH": ".rows", "ENGRAM_FAULTS_ARM": str(arm),
+           "ENGRAM_FAULTS_EIO_PROB": "1", "ENGRAM_FAULTS_EIO_BURST_MS": "600000"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "contained" in run.stdout, run.stdout + run.stderr
+
+
+def test_an_unread_step_goes_to_the_store_reader_and_admits_only_good_rows(tables, rng, monkeypatch):
+    """The hand-off: the native step leaves misses unread (its status after a failed read),
+    the store's reader reads them, the good ones are admitted (the next call hits them)."""
+    from disk_faults import reads_by_the_store
+
+    root, rows = tables
+    L = CFG.layer_ids[0]
+    store = open_store(root, "disk", cfg=CFG, direct=True, retries=0, dram_cache_bytes=1 << 20)[L]
+    bad = {7}
+    real_pread, real_aio = rowio.pread_rows, rowio.aio_read_rows
+
+    def pread_rows(fd, off, ids, out, threads, direct):
+        hit = np.flatnonzero(np.isin(ids, list(bad)))
+        return (errno.EIO, int(hit[0])) if hit.size else real_pread(fd, off, ids, out, threads, direct)
+
+    monkeypatch.setattr(rowio, "pread_rows", pread_rows)
+    monkeypatch.setattr(rowio, "aio_read_rows", lambda fd, off, ids, out, d: pread_rows(fd, off, ids, out, 1, True))
+    reads_by_the_store(monkeypatch)
+    try:
+        ids = torch.arange(0, 16)
+        from engram_sglang.stores.base import TableReadFault
+
+        with pytest.raises(TableReadFault) as caught:
+            store.gather(ids)
+        assert caught.value.failed_ids.tolist() == [7]
+        got = bf16_bits(caught.value.rows)
+        want = reference(rows[L], ids)
+        keep = torch.from_numpy(ids.numpy() != 7)
+        assert torch.equal(got[keep], want[keep]) and not got[7].any()
+        assert store.dram.contains(np.arange(16)).tolist() == [i != 7 for i in range(16)]
+    finally:
+        store.close()
