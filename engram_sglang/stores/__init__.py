@@ -58,7 +58,8 @@ def open_store(
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
         sketch_depth.
     options : placement options (the placement table's): host `shared`, `shm_dir`, `huge_pages`,
-        `keep` (the node's shared copy outlives the last server), `numa`, `whole_rows` (with
+        `keep` (the node's shared copy outlives the last server), `numa` (auto, interleave, off
+        or a node number: stores/numa.py), `whole_rows` (with
         `shared` and `agree`: whole rows per rank; default on); disk `threads`,
         `direct`, `retries`, `dram_cache_bytes` (host bytes, all layers of this rank, of a
         row cache in front of the files, split like `cache_bytes`).

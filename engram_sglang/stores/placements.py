@@ -68,9 +68,10 @@ class DeviceStore(_WholeTableStore):
 
 
 class HostStore(_WholeTableStore):
-    """The rows in host memory (anonymous, or one /dev/shm copy per node), huge pages
-    where the system gives them, registered with the GPU and read in-kernel by the device
-    address the runtime maps them at (`table_address`)."""
+    """The rows in host memory (anonymous, or one /dev/shm copy per node), bound to the NUMA
+    node `numa` chooses (stores/numa.py), huge pages where the system gives them, registered
+    with the GPU and read in-kernel by the device address the runtime maps them at
+    (`table_address`)."""
 
     placement = "host"
     # Device address of `table`'s first row where it is registered with the GPU: what the
