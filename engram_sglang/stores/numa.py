@@ -198,14 +198,13 @@ def choose(mode: str, device, need: int, topology: Optional[Topology] = None,
         if not topology.nodes:
             raise EngramError(f"--engram-host-numa {mode}: {where} lists no NUMA node with memory; "
                               f"use --engram-host-numa off")
+        if mode != "interleave" and int(mode) not in topology.ids:
+            raise EngramError(f"--engram-host-numa {mode}: no NUMA node {mode} with memory under {where} (nodes: "
+                              f"{', '.join(map(str, topology.ids))}); give one of them, auto, interleave or off")
         _require_mbind(mode)
         if mode == "interleave":
             return Binding(MPOL_INTERLEAVE, topology.socket_ids, "--engram-host-numa interleave")
-        n = int(mode)
-        if n not in topology.ids:
-            raise EngramError(f"--engram-host-numa {n}: no NUMA node {n} with memory under {where} (nodes: "
-                              f"{', '.join(map(str, topology.ids))}); give one of them, auto, interleave or off")
-        return Binding(MPOL_BIND, (n,), f"--engram-host-numa {n}")
+        return Binding(MPOL_BIND, (int(mode),), f"--engram-host-numa {mode}")
     if len(topology.socket_ids) < 2:
         return Binding(MPOL_DEFAULT, why="one NUMA node: nothing to choose")
     why = mbind_unavailable()
