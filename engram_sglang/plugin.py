@@ -17,9 +17,9 @@ What it installs:
 * the `Qwen3EngramForCausalLM` architecture in SGLang's model registry;
 * Engram table statistics in the scheduler's internal state (`/server_info` ->
   `internal_states[i]["engram"]`);
-* DeepSeek-V4.1's Engram table lookup served by our stores when a table directory is
-  configured, every layer's rows prefetched once upstream's hasher has run
-  (models/deepseek_v4_hook.py);
+* DeepSeek-V4.1's Engram table lookup served by an EngramRuntime (as the Qwen3 family's)
+  when a table directory is configured, every layer's rows prefetched once upstream's
+  hasher has run (models/deepseek_v4_hook.py);
 * read-ahead of a chunked prefill's next chunk into the disk tier's DRAM row cache
   (serving/readahead.py);
 * per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV

@@ -6,22 +6,34 @@ Triton kernel on CUDA and gfx950 and a slow torch path elsewhere (MI300X include
 packed table directory is configured (`--engram-table-dir`, or MODEL_PATH/engram_tables
 exists), the plugin swaps in `StoreEngramEmbedding`: the same call
 (`forward(indices, forward_batch, cp_all_tokens=...)` -> bf16 [*indices.shape, dim]), served
-by our TableStore in the configured placement with our gather kernels, and the loader
-skips the checkpoint's `.engram.embed.{weight,scale}` tensors. Everything else of upstream's
-Engram (hashing, history, wkv, gate) is unchanged.
+by the process's one `EngramRuntime` (serving/runtime.py), as for the Qwen3 family: its
+stores in the configured placement, statistics in /server_info, --engram-trace, prefill
+read-ahead, hot-row cache maintenance between steps, and faults that fail only the requests
+that needed a row. The loader skips the checkpoint's `.engram.embed.{weight,scale}` tensors.
+Everything else of upstream's Engram (wkv, gate) is unchanged.
 
-Prefetch: upstream hashes every Engram layer's ids once per step (`EngramHasher.forward`,
-before the decoder layers). The hook wraps that call to start every served layer's gather
-right away (`TableStore.prefetch`: a side stream on a GPU, a worker thread on the CPU), and
-each layer's lookup waits on its own handle, so host and disk reads overlap the layers
-before it. Not while a CUDA graph is being captured: there the lookup stays in the layer.
+Hashing stays upstream's: `EngramHasher.forward` (wrapped) computes the step's row ids with
+the hash the checkpoint was trained with (image tokens, the CUDA hash kernels, MTP
+target-verify blocks, its history commits), then hands them to the runtime
+(`begin_step(..., hash_ids=...)`), which starts every layer's gather at once. Each layer's
+lookup then asks the runtime for its rows and waits on its own gather. A lookup whose ids are
+not the step's own is gathered as it comes: a context-parallel rank's slice of the prompt
+(`cp_all_tokens`), or a lookup captured into a CUDA graph while the step's hashing ran
+outside it (the prefill graph's eager hashing segment; a replay reads the graph's copy).
+
+Parallelism: under plain tensor parallelism a rank holds a shard of every table and the
+runtime all-reduces the rows (or reads whole rows where the placement's node copy allows it).
+Under attention data or context parallelism the ranks of the TP group hold different tokens,
+so a sum over them would mix requests: those ranks read whole rows from the node's one shared
+host copy (`--engram-placement host --engram-host-shared on`) with no collective; any other
+placement is refused at start-up (upstream exchanges the ids of every attention-DP rank per
+layer instead, which this plugin does not do).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -35,39 +47,33 @@ from ..rowformat import ROW_VALUES
 logger = logging.getLogger(__name__)
 
 _EMBED_TENSOR = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
-_STORES: dict = {}
-_EMBEDS: "weakref.WeakSet[StoreEngramEmbedding]" = weakref.WeakSet()  # this process's, for prefetch
 
 
 class StoreEngramEmbedding(nn.Module):
-    """Drop-in for upstream's EngramEmbedding, reading rows from a TableStore.
+    """Drop-in for upstream's EngramEmbedding: one layer's rows from the process's runtime."""
 
-    Rows this rank's store does not hold come back as +0.0, so under tensor parallelism
-    the all-reduce reassembles every row exactly (each row lives on one rank).
-    """
-
-    def __init__(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: tuple[int, ...], *, store,
-                 tp_size: int = 1, hash_index: Optional[int] = None, prefetch: bool = True):
+    def __init__(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: tuple[int, ...], *, runtime):
         super().__init__()
+        store = runtime.stores.get(layer_id)
+        if store is None:
+            raise EngramError(f"{runtime.table_dir}: no table for Engram layer {layer_id} "
+                              f"(it holds layers {sorted(runtime.stores)})")
         if store.rows != num_embeddings:
             raise EngramError(f"{store.path}: layer {layer_id} table has {store.rows} rows, the model's config wants "
                               f"{num_embeddings}; convert the tables again for this model")
         if dim != ROW_VALUES:
             raise EngramError(f"engram_head_dim is {dim}; packed tables hold {ROW_VALUES} values per row")
         self.dim, self.layer_id, self.store = dim, layer_id, store
+        self.runtime = runtime  # not a submodule: one runtime serves every layer
         self.num_embeddings = num_embeddings
         self.row_start, row_end = store.row_range
         self.rows = row_end - self.row_start
-        self.tp_size = tp_size
+        self.tp_size = runtime.tp_size
         # Upstream's staging and peer-shard paths stay off: our store does the reading.
         self.host_table = None
         self.peer = None
         self.staged_by_scheduler = False
         self.shared_host_table_without_ats = False
-        # Prefetch: this layer's column of the step's hash ids, and the gather started for it.
-        self.hash_index = hash_index if prefetch else None
-        self._pending = None
-        _EMBEDS.add(self)
 
     def finish_load(self, label: str) -> None:
         logger.info("engram %s: served by engram-sglang (%s)", label, self.store.describe())
@@ -75,78 +81,65 @@ class StoreEngramEmbedding(nn.Module):
     def new_rows(self, indices: torch.Tensor) -> torch.Tensor:
         return torch.empty(*indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device)
 
-    def prefetch(self, indices: torch.Tensor) -> None:
-        """Start the gather of this step's ids (a view of the step's hash ids)."""
-        self.release_pending()
-        self._pending = (indices, self.store.prefetch(indices))
-
-    def release_pending(self) -> None:
-        """Order a prefetch nobody will use before what comes next (see Prefetch.release)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[1].release()
-
     def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
-        pending = self._pending
-        if pending is not None and indices.shape[0] and _same_view(pending[0], indices):
-            self._pending = None
-            rows = pending[1].wait()
-        else:
-            self.release_pending()
-            if indices.shape[0] == 0:
-                return self.new_rows(indices)
-            rows = self.store.gather(indices)
-        if self.tp_size > 1:
-            from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-            rows = tensor_model_parallel_all_reduce(rows)
-        return rows
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether b is the very view a prefetch was started for (same memory, shape, strides)."""
-    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
-            and a.shape == b.shape and a.stride() == b.stride())
-
-
-def prefetch_step(hash_ids: torch.Tensor) -> int:
-    """Start every served layer's gather for this step's hash ids [T, n_layers, cols];
-    returns how many. A layer whose lookup then gets other ids (e.g. a context-parallel
-    slice) gathers them itself; every step replaces what the previous one left."""
-    capturing = hash_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    started = 0
-    for emb in list(_EMBEDS):
-        emb.release_pending()
-        if capturing or emb.hash_index is None or hash_ids.dim() != 3 or not hash_ids.shape[0]:
-            continue
-        if emb.hash_index < hash_ids.shape[1]:
-            emb.prefetch(hash_ids[:, emb.hash_index])
-            started += 1
-    return started
+        # cp_all_tokens: upstream hashed the whole prompt and hands this rank its slice.
+        return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens)
 
 
 def patch_engram_hasher(module) -> None:
-    """Wrap upstream's `EngramHasher.forward` (the step's hashing) to prefetch every served
-    layer's rows as soon as the ids exist. Subclasses with their own forward (our Qwen3
-    family's StepHasher) are not affected."""
+    """Wrap upstream's `EngramHasher.forward` (the step's hashing): its ids begin the runtime's
+    step, which starts every layer's gather right away. Subclasses with their own forward (our
+    Qwen3 family's StepHasher) are not affected."""
 
     def forward(original, self, input_ids, forward_batch, *args, **kwargs):
         hash_ids = original(self, input_ids, forward_batch, *args, **kwargs)
-        if _EMBEDS:
-            prefetch_step(hash_ids)
+        runtime = runtime_of(self)
+        if runtime is not None:
+            runtime.begin_step(input_ids, forward_batch.positions, forward_batch, hash_ids=hash_ids,
+                               prefetch=_layers_read_these_ids(runtime, forward_batch))
         return hash_ids
 
     wrap_method(module.EngramHasher, "forward", forward)
 
 
-def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] = None, device=None,
-                     tp_rank: int = 0, tp_size: int = 1):
-    """The TableStore of one Engram layer (every layer of the directory opened once per process),
-    or None when no table directory is configured and MODEL_PATH/engram_tables is absent."""
+def _layers_read_these_ids(runtime, forward_batch) -> bool:
+    """Whether the layers will look up the very ids the hasher returned (else a prefetch
+    would read rows nobody uses): not in a context-parallel prefill (each rank keeps a slice),
+    not in a prefill CUDA graph (the hashing runs eagerly, the lookups were captured), not in
+    a capture (the step cannot reach the layers without Python state a replay would skip)."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+        is_in_breakable_cuda_graph,
+    )
+
+    extend = forward_batch.forward_mode.is_extend()
+    return not (runtime.capturing() or extend and (runtime.context_parallel or is_in_breakable_cuda_graph()))
+
+
+def runtime_of(hasher):
+    """The runtime that serves the model of this upstream hasher (attaching the hasher to the
+    process's runtime the first time), or None when upstream's own tables serve."""
+    from ..serving.runtime import active_runtimes
+
+    ours = [r for r in active_runtimes() if getattr(r, "hook_key", None) is not None]
+    for runtime in ours:
+        if runtime.step_hasher is hasher:
+            return runtime
+    waiting = [r for r in ours if r.step_hasher is None]
+    if len(waiting) != 1 or waiting[0].capturing():  # (a capture changes no runtime's state)
+        return None
+    waiting[0].use_hasher(hasher)
+    return waiting[0]
+
+
+def process_runtime(*, settings=None, model_path: Optional[str] = None, device=None, parallel=None):
+    """This process's EngramRuntime for DeepSeek-V4.1's tables (opened on the first Engram
+    layer, shared by the others), or None when no table directory is configured and
+    MODEL_PATH/engram_tables is absent."""
     from ..config import EngramConfig
     from ..serving.graphs import check_capturable
+    from ..serving.runtime import EngramRuntime, active_runtimes
     from ..serving.settings import ServeSettings
-    from ..stores import open_store
+    from ..tablefile import open_tables
 
     settings = settings or ServeSettings.from_env()
     if settings.table_dir:
@@ -155,24 +148,47 @@ def open_layer_store(layer_id: int, *, settings=None, model_path: Optional[str] 
         table_dir = Path(model_path) / "engram_tables"
     else:
         return None
+    tp_rank, tp_size = rank_rows(settings, parallel)
     device = torch.device(device if device is not None else torch.get_default_device())
     key = (str(table_dir), settings.placement, str(device), tp_rank, tp_size)
-    if key not in _STORES:
-        cfg = None
+    for runtime in active_runtimes():
+        if getattr(runtime, "hook_key", None) == key:
+            return runtime
+    try:
         if model_path and (Path(model_path) / "config.json").is_file():
             cfg = EngramConfig.from_pretrained(model_path)
+        else:  # the tables' own config (tests, a model directory without one)
+            cfg = open_tables(table_dir).config
+        runtime = EngramRuntime(cfg, None, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
         try:
-            stores = open_store(table_dir, settings.placement, device, cfg=cfg, tp_rank=tp_rank, tp_size=tp_size,
-                                backend=settings.backend, **settings.store_options())
-            check_capturable(stores.values(), device)
-        except EngramError as e:
-            logger.error("engram-sglang: %s", e)
+            check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace)
+        except EngramError:
+            runtime.close()
             raise
-        _STORES[key] = stores
-    stores = _STORES[key]
-    if layer_id not in stores:
-        raise EngramError(f"{table_dir}: no table for Engram layer {layer_id} (it holds layers {sorted(stores)})")
-    return stores[layer_id]
+    except EngramError as e:
+        logger.error("engram-sglang: %s", e)
+        raise
+    runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
+    runtime.context_parallel = tp_size < parallel.tp_size and parallel.attn_cp_size > 1  # lookups of a slice
+    return runtime
+
+
+def rank_rows(settings, parallel) -> tuple[int, int]:
+    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
+    context parallelism the TP ranks look up different tokens, so no sum over them can
+    reassemble rows: every rank reads whole rows of the node's shared host copy, or the
+    start is refused."""
+    if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
+        return parallel.tp_rank, parallel.tp_size
+    if settings.placement != "host" or not settings.host_shared:
+        raise EngramError(
+            f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
+            f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
+            f"use --engram-placement host --engram-host-shared on (one copy per node, no collective); placement "
+            f"{settings.placement}{'' if settings.placement != 'host' else ' without a shared copy'} would shard "
+            f"rows over ranks, which needs every rank's ids per layer (not supported; or drop --engram-table-dir "
+            f"to use upstream's tables)")
+    return 0, 1
 
 
 def patch_engram_module(module) -> None:
@@ -189,18 +205,10 @@ def patch_engram_module(module) -> None:
             model_path = get_model().model_path
         except (AttributeError, ValueError):
             model_path = None
-        parallel = get_parallel()
-        if parallel.tp_size > 1 and (parallel.attn_cp_size > 1 or parallel.attn_dp_size > 1):
-            raise EngramError("engram-sglang serves DeepSeek-V4.1's tables with plain tensor parallelism; "
-                              "attention CP/DP is not supported yet (drop --engram-table-dir to use upstream's)")
-        store = open_layer_store(layer_id, model_path=model_path, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
-        if store is None:
+        runtime = process_runtime(model_path=model_path, parallel=get_parallel())
+        if runtime is None:
             return upstream(num_embeddings, dim, layer_id, column_bounds)
-        from ..serving.settings import ServeSettings
-
-        return StoreEngramEmbedding(num_embeddings, dim, layer_id, column_bounds, store=store, tp_size=parallel.tp_size,
-                                    hash_index=_hash_index(layer_id, model_path),
-                                    prefetch=ServeSettings.from_env().prefetch)
+        return StoreEngramEmbedding(num_embeddings, dim, layer_id, column_bounds, runtime=runtime)
 
     EngramEmbedding._engram_sglang_factory = True
     EngramEmbedding.upstream = upstream
@@ -208,23 +216,19 @@ def patch_engram_module(module) -> None:
     patch_engram_hasher(module)
 
 
-def _hash_index(layer_id: int, model_path: Optional[str]) -> Optional[int]:
-    """The layer's column of the hasher's output: its place in the config's engram_layer_ids
-    (upstream's order); None (no prefetch) without a readable config."""
-    from ..config import EngramConfig
-
-    try:
-        return EngramConfig.from_pretrained(model_path).layer_ids.index(layer_id) if model_path else None
-    except (EngramError, OSError, ValueError):
-        return None
-
-
 def patch_deepseek_v4(module) -> None:
-    """The loader skips `.engram.embed.{weight,scale}` when our store serves the tables."""
+    """The loader skips `.engram.embed.{weight,scale}` when our store serves the tables; the
+    model's hasher is attached to the runtime once the weights are in (read-ahead hashes with
+    it before the first forward)."""
 
     def load_weights(original, self, weights, *args, **kwargs):
-        if any(isinstance(m, StoreEngramEmbedding) for m in self.modules()):
+        embeds = [m for m in self.modules() if isinstance(m, StoreEngramEmbedding)]
+        if embeds:
             weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
-        return original(self, weights, *args, **kwargs)
+        out = original(self, weights, *args, **kwargs)
+        hasher = getattr(getattr(self, "model", None), "engram_hasher", None)
+        if embeds and hasher is not None:
+            runtime_of(hasher)
+        return out
 
     wrap_method(module.DeepseekV4ForCausalLM, "load_weights", load_weights)

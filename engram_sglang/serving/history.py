@@ -86,3 +86,25 @@ class StepHasher(EngramHasher):
         if self.corrupt_history:
             history = torch.zeros_like(history)
         return self.ngram.hash_batch(input_ids, forward_batch.positions, history, torch.ones_like(slots))[0]
+
+class SequenceHasher:
+    """One request's tokens hashed by a model's own step hasher (DeepSeek-V4.1: upstream's
+    EngramHasher, whose hash the checkpoint was trained with), for prefill read-ahead: the
+    host twin of the windows the step builds (upstream's EngramRowStager builds the same),
+    hashed by the module's own `hash_windows`, so read-ahead asks for the rows the step will."""
+
+    def __init__(self, module: EngramHasher):
+        self.module = module
+        self.n = module.max_ngram_size
+
+    def hash_sequence(self, tokens, *, history=(), start: int = 0) -> torch.Tensor:
+        """Row ids [T, L, C] of `tokens` at absolute positions start.., `history` the raw
+        tokens before them (oldest first; only the last n-1 are read)."""
+        lookback = self.n - 1
+        before = [int(t) for t in history][-lookback:] if lookback else []
+        seg = torch.tensor([0] * (lookback - len(before)) + before + [int(t) for t in tokens], dtype=torch.int64)
+        windows = seg.unfold(0, self.n, 1).flip(-1)  # [T, n]: column s is the s-th predecessor
+        positions = torch.arange(start, start + windows.shape[0], dtype=torch.int64)
+        blocked = positions.unsqueeze(-1) < torch.arange(self.n)
+        ids, _ = self.module.hash_windows(windows, blocked)
+        return ids

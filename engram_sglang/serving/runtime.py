@@ -70,7 +70,9 @@ class EngramStep:
     handles: dict  # layer id -> Prefetch (or None when prefetch is off)
     rows: dict = dataclasses.field(default_factory=dict)  # layer id -> rows the layer used
     wait_seconds: float = 0.0
+    engram_seconds: float = 0.0  # time in the Engram layers, where the model does not time them (DeepSeek)
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    captured: bool = False  # begun inside a CUDA-graph capture
 
 
 def step_tokens(forward_batch, num_tokens: int) -> tuple[torch.Tensor, str]:
@@ -153,6 +155,7 @@ class EngramRuntime:
         self._stats_path = Path(settings.stats_file) if settings.stats_file else None
         self._stats_written = 0.0
         self._open_step: Optional[EngramStep] = None
+        self._current: Optional[EngramStep] = None
         self._failed: dict[int, str] = {}  # request slot -> why its rows could not be read
         self._forward_steps = 0  # between_steps calls: every step, replayed or eager
         self._faults = 0
@@ -171,8 +174,52 @@ class EngramRuntime:
         if hash_ids is None:
             hash_ids = self.step_hasher(input_ids, forward_batch)
         token_req, mode = step_tokens(forward_batch, hash_ids.shape[0])
-        return self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
+        step = self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
                           prefetch=prefetch)
+        # For layers the step cannot be handed to (DeepSeek's, inside upstream's model); not
+        # inside a capture, where no Python state of the runtime changes (a replay runs none).
+        if not step.captured:
+            self._current = step
+        return step
+
+    @property
+    def current_step(self) -> Optional[EngramStep]:
+        """The step `begin_step` began last outside a CUDA-graph capture (None before the first)."""
+        return self._current
+
+    @staticmethod
+    def capturing() -> bool:
+        """Whether a CUDA graph is being captured on this thread's stream (stores/maintenance.py;
+        for the models, which reach the stores' modules only through the runtime)."""
+        return maintenance.capturing()
+
+    def layer_rows(self, layer_id: int, ids: torch.Tensor, *, slice_of_step: bool = False) -> torch.Tensor:
+        """`rows` for a layer the step cannot be handed to (DeepSeek's, inside upstream's
+        model): the current step's prefetched rows when `ids` are its own column, else a gather
+        of `ids` as they come: a slice of the step's ids (`slice_of_step`: a context-parallel
+        rank's), or a lookup being captured into a CUDA graph, which must gather the graph's own
+        ids at every replay (its hashing ran in the capture, with no prefetch, or eagerly
+        outside it: the prefill graph)."""
+        t0 = time.perf_counter()
+        step = None if self.capturing() else self._current
+        own = (step is not None and not slice_of_step
+               and step.hash_ids[:, self.layer_index[layer_id]].shape == ids.shape)
+        rows = self.rows(step, layer_id, None if own else ids)
+        if step is not None:
+            step.engram_seconds += time.perf_counter() - t0
+        return rows
+
+    def use_hasher(self, module) -> None:
+        """Take a model's own step hasher (an upstream EngramHasher: DeepSeek-V4.1's, whose hash
+        the checkpoint was trained with) for its steps' ids and for prefill read-ahead."""
+        from .history import SequenceHasher
+
+        layers, n = int(module.primes.shape[0]), int(module.max_ngram_size)
+        if (layers, n) != (len(self.cfg.layer_ids), self.cfg.max_ngram_size):
+            raise EngramError(f"the model's Engram hasher hashes {layers} layers of up to {n}-grams; the tables "
+                              f"{self.table_dir} are for {len(self.cfg.layer_ids)} layers of up to "
+                              f"{self.cfg.max_ngram_size}-grams")
+        self.step_hasher, self.hasher = module, SequenceHasher(module)
 
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
               input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True) -> EngramStep:
@@ -193,7 +240,7 @@ class EngramRuntime:
                     handles[L] = staged.handle(L, hash_ids.shape[0])
                 elif self.settings.prefetch:
                     handles[L] = self.stores[L].prefetch(hash_ids[:, i])
-        step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles)
+        step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles, captured=capturing)
         if not capturing:
             self._open_step = step
         return step
@@ -208,17 +255,18 @@ class EngramRuntime:
         for handle in handles.values():
             handle.release()
 
-    def rows(self, step: EngramStep, layer_id: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rows(self, step: Optional[EngramStep], layer_id: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """bf16 rows [T, C, 256] of Engram layer `layer_id` for this step (waiting on its
         prefetch), or of `ids` when the layer was handed other ids than the step's (a
-        context-parallel rank's slice of them): those are gathered here and now. The one place
-        rows are all-reduced over tensor-parallel ranks."""
+        context-parallel rank's slice of them, or a copy a CUDA graph reads): those are
+        gathered here and now. Without a step (a lookup no step began) a failed read raises.
+        The one place rows are all-reduced over tensor-parallel ranks."""
         i = self.layer_index[layer_id]
         own = ids is None
         if own:
             ids = step.hash_ids[:, i]
         t0 = time.perf_counter()
-        handle = step.handles.pop(layer_id, None)
+        handle = step.handles.pop(layer_id, None) if step is not None else None
         if handle is not None and not own:
             handle.release()
             handle = None
@@ -234,8 +282,11 @@ class EngramRuntime:
                 rows = self.stores[layer_id].gather(ids) if ids.shape[0] else torch.zeros(
                     *ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
         except TableIOError as fault:
+            if step is None:
+                raise
             rows = self._contain(step, layer_id, ids, fault, own=own)
-        step.wait_seconds += time.perf_counter() - t0
+        if step is not None:
+            step.wait_seconds += time.perf_counter() - t0
         if self.reduce_rows:
             from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
@@ -254,6 +305,8 @@ class EngramRuntime:
             return
         if self._open_step is step:
             self._open_step = None
+        if self._current is step:
+            self._current = None  # a lookup after its step's end is not of its ids
         now = time.perf_counter()
         with self._lock:
             self._steps += 1
@@ -269,8 +322,12 @@ class EngramRuntime:
     def between_steps(self, step: int) -> None:
         """Once per forward step, outside any graph (stores/maintenance.py): the stats file,
         at most every 0.2 s (the statistics read device counters: a host sync, which inside
-        the forward would break a graph capture and count captures instead of replays)."""
+        the forward would break a graph capture and count captures instead of replays).
+        A step still open here is one whose model does not end it (DeepSeek-V4.1's: upstream's
+        forward): it ends now, its Engram time the time its layers spent in the runtime."""
         self._forward_steps += 1
+        if self._open_step is not None:
+            self.end(self._open_step, self._open_step.engram_seconds, 0.0, 0)
         now = time.perf_counter()
         if self._stats_path is not None and now - self._stats_written > 0.2:
             self._stats_written = now
@@ -313,8 +370,9 @@ class EngramRuntime:
     # ------------------------------------------------------------------ read-ahead
     @property
     def reads_ahead(self) -> bool:
-        """Whether any layer keeps rows read ahead (a disk store with a DRAM row cache)."""
-        return bool(self._ahead)
+        """Whether any layer keeps rows read ahead (a disk store with a DRAM row cache) and
+        the runtime can hash a request's tokens (a model's own hasher is attached)."""
+        return bool(self._ahead) and self.hasher is not None
 
     def read_ahead(self, tokens, *, history=(), start: int = 0) -> int:
         """Start reading the rows of one request's coming tokens (absolute position `start`,
@@ -357,6 +415,7 @@ class EngramRuntime:
         return [self.stores[L].describe() for L in self.cfg.layer_ids]
 
     def close(self) -> None:
+        _RUNTIMES.discard(self)  # no longer reported, nor found by a model's hook
         maintenance.unregister(self)
         self._release(self._open_step)
         self._open_step = None
