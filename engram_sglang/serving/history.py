@@ -87,6 +87,7 @@ class StepHasher(EngramHasher):
             history = torch.zeros_like(history)
         return self.ngram.hash_batch(input_ids, forward_batch.positions, history, torch.ones_like(slots))[0]
 
+
 class SequenceHasher:
     """One request's tokens hashed by a model's own step hasher (DeepSeek-V4.1: upstream's
     EngramHasher, whose hash the checkpoint was trained with), for prefill read-ahead: the
