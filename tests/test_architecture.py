@@ -23,7 +23,7 @@ PACKAGE = "engram_sglang"
 # The stand-in for sgl_kernel is a folder put on PYTHONPATH for CPU runs, not a module of the package.
 NOT_PACKAGE = ROOT / PACKAGE / "serving" / "cpu_shim"
 
-CORE = ("config", "errors", "hashing", "rowformat", "tablefile", "ops", "stores")
+CORE = ("config", "errors", "placement_table", "hashing", "rowformat", "tablefile", "ops", "stores")
 MODEL_ENTRY_TO_STORES = {"open_store", "TableStore"}
 
 
