@@ -404,8 +404,10 @@ def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel,
         emb.runtime.close()
 
 
-@pytest.mark.parametrize("placement, shared", [("host", True), ("host", False), ("device", False), ("disk", False)])
-def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_path, placement, shared):
+@pytest.mark.parametrize("placement, options", [
+    ("host", {"host_shared": True}), ("host", {}), ("host", {"host_shared": True, "host_whole_rows": False}),
+    ("device", {}), ("disk", {})])
+def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_path, placement, options):
     """Under attention DP the TP ranks hold different tokens: with the node's shared host copy
     every rank reads whole rows (no all-reduce); a placement that shards rows is refused with
     the reason, before anything is opened."""
@@ -416,7 +418,9 @@ def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_pa
     from engram_sglang.serving.settings import ServeSettings
 
     table_dir, packed, layout = table
-    options = dict(host_shared=True, shm_dir=str(tmp_path)) if shared else {}
+    shared = options.get("host_shared") and options.get("host_whole_rows", True)
+    if placement == "host":
+        options = dict(options, shm_dir=str(tmp_path))
     settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
     with get_parallel().override(tp_size=2, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=1,
                                  attn_cp_size=1, attn_cp_rank=0) as par:

@@ -176,18 +176,20 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
 def rank_rows(settings, parallel) -> tuple[int, int]:
     """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
     context parallelism the TP ranks look up different tokens, so no sum over them can
-    reassemble rows: every rank reads whole rows of the node's shared host copy, or the
-    start is refused."""
+    reassemble rows: every rank opens the tables whole (tp_size 1: no collective, whatever
+    the other ranks hold) where the placement table says its options give whole rows (the
+    node's shared host copy), or the start is refused."""
+    from ..placement_table import WHOLE, placement
+
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return parallel.tp_rank, parallel.tp_size
-    if settings.placement != "host" or not settings.host_shared:
+    if placement(settings.placement).rows_held(settings.store_options()) != WHOLE:
         raise EngramError(
             f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
             f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
             f"use --engram-placement host --engram-host-shared on (one copy per node, no collective); placement "
-            f"{settings.placement}{'' if settings.placement != 'host' else ' without a shared copy'} would shard "
-            f"rows over ranks, which needs every rank's ids per layer (not supported; or drop --engram-table-dir "
-            f"to use upstream's tables)")
+            f"{settings.placement} with these options shards rows over ranks, which would need every rank's ids "
+            f"per layer (not supported; or drop --engram-table-dir to use upstream's tables)")
     return 0, 1
 
 
