@@ -185,7 +185,17 @@ def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, tabl
             stats = runtime.stats()
             assert stats["steps"] == stats["forward_steps"] == n + 1
         assert stats["tokens"] == 12 + 2 + 6 and stats["engram_seconds_per_step"] > 0
-        assert runtime in active_runtimes()  # what /server_info reports (plugin._report_internal_state)
+        # /server_info: the plugin's hook on the scheduler's internal state reports this runtime.
+        from engram_sglang import plugin
+
+        class Controller:
+            def get_internal_state(self, recv_req):
+                return SimpleNamespace(internal_state={})
+
+        plugin._report_internal_state(SimpleNamespace(SchedulerInternalStateController=Controller))
+        assert active_runtimes() == [runtime]
+        reported = Controller().get_internal_state(None).internal_state["engram"]
+        assert reported["steps"] == 3 and reported["placement"] == placement and len(reported["tables"]) == 2
         lines = [json.loads(line) for line in trace.read_text().splitlines()]
         assert [line["mode"] for line in lines] == ["extend", "decode", "verify"]
         assert lines[2]["req"] == [3, 3, 3, 5, 5, 5] and lines[2]["pos"] == [8, 9, 10, 6, 7, 8]
