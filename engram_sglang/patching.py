@@ -41,6 +41,7 @@ TARGETS: tuple[Target, ...] = (
     Target("sglang.srt.layers.engram", "EngramHasher.forward", "wraps"),
     Target("sglang.srt.models.deepseek_v4", "DeepseekV4ForCausalLM.load_weights", "wraps"),
     Target("sglang.srt.managers.scheduler", "Scheduler.run_batch", "wraps"),
+    Target("sglang.srt.managers.tokenizer_manager", "TokenizerManager._create_tokenized_object", "wraps"),
     Target("sglang.srt.model_executor.pool_configurator", "DefaultPoolConfigurator._compute_cell_size", "wraps"),
     Target("sglang.srt.model_executor.model_runner", "ModelRunner._init_post_memory_pool_components", "wraps"),
     Target("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "wraps"),

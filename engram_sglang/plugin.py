@@ -22,6 +22,9 @@ What it installs:
   hasher has run (models/deepseek_v4_hook.py);
 * read-ahead of a chunked prefill's next chunk into the disk tier's DRAM row cache
   (serving/readahead.py);
+* Engram modes (serving/modes.py): a request's mode checked where SGLang checks its
+  sampling params (HTTP 400) and made part of its prefix-cache key; each batch's modes
+  recorded per request slot before it runs;
 * per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV
   pool's per-token cost and allocated right after the pool, before CUDA-graph capture;
 * CUDA graphs off, with one line, for a placement that reads row ids on the host (disk)
@@ -58,7 +61,8 @@ def load() -> None:
     _after_import("sglang.srt.managers.scheduler_components.internal_state", _report_internal_state)
     _after_import("sglang.srt.layers.engram", _take_over_deepseek_engram)
     _after_import("sglang.srt.models.deepseek_v4", _skip_deepseek_engram_tensors)
-    _after_import("sglang.srt.managers.scheduler", _read_ahead_prefill_chunks)
+    _after_import("sglang.srt.managers.scheduler", _patch_scheduler)
+    _after_import("sglang.srt.managers.tokenizer_manager", _check_engram_modes)
     _after_import("sglang.srt.model_executor.pool_configurator", _count_engram_bytes_per_kv_token)
     _after_import("sglang.srt.model_executor.model_runner", _patch_model_runner)
     _after_import("sglang.srt.model_executor.runner.decode_cuda_graph_runner", _stage_disk_rows_before_replays)
@@ -90,7 +94,9 @@ def _prepare_server_args(original, argv, *args, **kwargs):
     try:
         export_flags(list(argv))
         settings = ServeSettings.from_env()
-        extra, why = graph_args(settings.placement, list(argv), trace=settings.trace,
+        modes = (f"--engram-mode {settings.mode}" if settings.mode != "on"
+                 else "--engram-ablation on" if settings.ablation else None)
+        extra, why = graph_args(settings.placement, list(argv), trace=settings.trace, modes=modes,
                                 disk_graphs=settings.disk_graphs)
     except EngramError as e:
         print(f"engram-sglang: error: {e}", file=sys.stderr)
@@ -129,10 +135,17 @@ def _skip_deepseek_engram_tensors(module) -> None:
     patch_deepseek_v4(module)
 
 
-def _read_ahead_prefill_chunks(module) -> None:
-    from .serving.readahead import patch_scheduler
+def _patch_scheduler(module) -> None:
+    from .serving import modes, readahead
 
-    patch_scheduler(module)
+    readahead.patch_scheduler(module)
+    modes.patch_scheduler(module)
+
+
+def _check_engram_modes(module) -> None:
+    from .serving.modes import patch_tokenizer_manager
+
+    patch_tokenizer_manager(module)
 
 
 def _count_engram_bytes_per_kv_token(module) -> None:

@@ -77,9 +77,20 @@ def test_the_prefix_cache_key_separates_every_pair_of_different_intervals():
 
 
 def batch(*reqs):
-    return types.SimpleNamespace(reqs=[types.SimpleNamespace(req_pool_idx=slot, origin_input_ids=[0] * n,
+    """A scheduler batch as SGLang 0.5.23 lays it out (the slot on each request's KV record)."""
+    return types.SimpleNamespace(reqs=[types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=slot),
+                                                             origin_input_ids=[0] * n,
                                                              sampling_params=types.SimpleNamespace(custom_params=p))
                                        for slot, n, p in reqs])
+
+
+def test_the_request_slot_is_read_where_sglang_keeps_it():
+    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+
+    kv = ReqKvInfo()
+    kv.req_pool_idx = 7
+    assert modes.request_slot(types.SimpleNamespace(kv=kv)) == 7
+    assert "kv" in Req.__init__.__code__.co_names  # Req() makes its KV record
 
 
 def test_per_token_mask_from_slots_and_positions():
@@ -134,3 +145,17 @@ def test_an_off_token_adds_exactly_zero_and_feeds_zero_to_the_conv_of_later_toke
     # Token 13 reaches back to 10 (off), so it differs from the all-on output; all on == no mask.
     assert not torch.equal(out[13], layer(h, rows)[13])
     assert torch.equal(layer(h, rows, torch.ones(20, dtype=torch.bool)), layer(h, rows))
+
+
+def test_modes_turn_cuda_graphs_off_with_one_line():
+    """Each step's modes are applied from the host (a mask, reads of the on tokens only),
+    which a captured graph would not replay."""
+    from engram_sglang.errors import EngramConfigError
+    from engram_sglang.serving.graphs import graph_args
+
+    assert graph_args("device", []) == ([], None)
+    extra, why = graph_args("device", [], modes="--engram-ablation on")
+    assert extra == ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    assert why.startswith("--engram-ablation on switches Engram per token") and "\n" not in why
+    with pytest.raises(EngramConfigError, match="--engram-mode prefill switches"):
+        graph_args("host", ["--cuda-graph-backend-decode", "full"], modes="--engram-mode prefill")

@@ -73,12 +73,14 @@ class ServingEngramLayer(EngramLayer):
         return self._cache
 
     def forward_batch(self, h: torch.Tensor, rows: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
-                      forward_batch: ForwardBatch) -> torch.Tensor:
-        """Engram output [T, D] for a batch: h [T, D], rows [T, C, 256]."""
+                      forward_batch: ForwardBatch, on: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Engram output [T, D] for a batch: h [T, D], rows [T, C, 256]; `on` bool [T]: the
+        tokens with Engram on (serving/modes.py; None: all), the others add 0 and keep a
+        zero conv input."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         value = self.gated_value(h, rows)
-        x = self.conv_input(value, h.dtype)
+        x = self.conv_input(value, h.dtype, on)
         cache = self._conv_cache(h.dtype, h.device)
         loc = forward_batch.out_cache_loc
         if loc.device.type == "cpu" and loc.numel() and int(loc.max()) >= cache.shape[0]:
@@ -89,7 +91,7 @@ class ServingEngramLayer(EngramLayer):
         src = positions.to(torch.int64).unsqueeze(-1) - back  # [T, K]
         slots = req_to_token[token_req.unsqueeze(-1), src.clamp_min(0)].to(torch.int64)
         window = cache[slots].masked_fill((src < 0).unsqueeze(-1), 0)
-        return self.finish(value, window, h.dtype)
+        return self.finish(value, window, h.dtype, on)
 
 
 class Qwen3EngramDecoderLayer(nn.Module):
@@ -221,7 +223,7 @@ class Qwen3EngramForCausalLM(nn.Module):
             if layer.engram is not None:
                 t0 = time.perf_counter()
                 rows = self.runtime.rows(step, layer.layer_id)
-                h = h + layer.engram.forward_batch(h, rows, token_req, positions, forward_batch)
+                h = h + layer.engram.forward_batch(h, rows, token_req, positions, forward_batch, on=step.on)
                 engram_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             h = layer(positions, h, forward_batch)

@@ -52,12 +52,13 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
 
 
 def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None,
-               disk_graphs: bool = False) -> tuple[list[str], Optional[str]]:
-    """SGLang flags to add for this placement (and trace setting) and the line that says
-    why (None: nothing to add). Raises EngramConfigError (one line) when argv asks for a
-    CUDA graph explicitly while the step cannot run in one. `disk_graphs` (--engram-disk-graphs):
-    a host-reading placement keeps decode graphs (rows staged before each replay,
-    serving/staged_rows.py) when the overlap scheduler is off; prefill graphs stay off."""
+               modes: Optional[str] = None, disk_graphs: bool = False) -> tuple[list[str], Optional[str]]:
+    """SGLang flags to add for this placement (and trace setting, and Engram modes: `modes`
+    names the flag that turns them on) and the line that says why (None: nothing to add).
+    Raises EngramConfigError (one line) when argv asks for a CUDA graph explicitly while the
+    step cannot run in one. `disk_graphs` (--engram-disk-graphs): a host-reading placement
+    keeps decode graphs (rows staged before each replay, serving/staged_rows.py) when the
+    overlap scheduler is off; prefill graphs stay off."""
     off = PHASES
     if disk_graphs:
         if placement_spec(placement).capturable:
@@ -67,7 +68,7 @@ def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None,
             raise EngramConfigError(f"--engram-disk-graphs on needs {OVERLAP_OFF}: the overlap scheduler launches a "
                                     f"decode step before its tokens reach the host, which reads the step's rows "
                                     f"before the graph replays")
-    if not placement_spec(placement).capturable and disk_graphs and not trace:
+    if not placement_spec(placement).capturable and disk_graphs and not (trace or modes):
         why = (f"--engram-placement {placement} reads a prefill's row ids on the host inside the step, which a "
                f"captured CUDA graph cannot replay (decode graphs kept: --engram-disk-graphs on)")
         off = ("prefill",)
@@ -76,6 +77,9 @@ def graph_args(placement: str, argv: Sequence[str], trace: Optional[str] = None,
                f"cannot replay")
     elif trace:
         why = "--engram-trace writes each step's ids and rows from the host, which a captured CUDA graph cannot replay"
+    elif modes:
+        why = (f"{modes} switches Engram per token from the host each step (serving/modes.py), which a captured "
+               f"CUDA graph cannot replay")
     else:
         return [], None
     explicit = {phase: _flag_value(argv, flag) for phase, flag in PHASE_FLAGS.items()}

@@ -198,6 +198,12 @@ def request_span(req, default: Mode, allowed: bool) -> tuple[int, int]:
     return request_mode(params, default, allowed=allowed).span(len(req.origin_input_ids))
 
 
+def request_slot(req) -> Optional[int]:
+    """A scheduler Req's request slot (req_pool_idx; SGLang 0.5.23 keeps it in `req.kv`)."""
+    kv = getattr(req, "kv", None)
+    return getattr(kv, "req_pool_idx", None) if kv is not None else getattr(req, "req_pool_idx", None)
+
+
 def record_batch(batch, settings, slots: SlotModes = SLOTS) -> None:
     """Before the scheduler runs `batch`: record each request's interval by its slot."""
     if batch is None or not modes_in_use(settings):
@@ -205,8 +211,9 @@ def record_batch(batch, settings, slots: SlotModes = SLOTS) -> None:
     default = server_mode(settings)
     spans = {}
     for req in getattr(batch, "reqs", None) or ():
-        if getattr(req, "req_pool_idx", None) is not None:
-            spans[int(req.req_pool_idx)] = request_span(req, default, settings.ablation)
+        slot = request_slot(req)
+        if slot is not None:
+            spans[int(slot)] = request_span(req, default, settings.ablation)
     slots.record(spans)
 
 

@@ -28,6 +28,7 @@ from ..errors import EngramError
 from ..rowformat import row_checksums
 from ..stores import maintenance
 from ..stores.base import TableIOError
+from .modes import SLOTS
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ class EngramStep:
     engram_seconds: float = 0.0  # time in the Engram layers, where the model does not time them (DeepSeek)
     started: float = dataclasses.field(default_factory=time.perf_counter)
     captured: bool = False  # begun inside a CUDA-graph capture
+    # Engram modes (serving/modes.py): bool [T], the tokens with Engram on, and the indices of
+    # those tokens, whose rows alone are read; None when every token of the step is on.
+    on: Optional[torch.Tensor] = None
+    keep: Optional[torch.Tensor] = None
+
+    def read_ids(self, column: int) -> torch.Tensor:
+        """The hash ids [K, C] of one layer that reach a store (the tokens with Engram on)."""
+        ids = self.hash_ids[:, column]
+        return ids if self.keep is None else ids[self.keep]
 
 
 def step_tokens(forward_batch, num_tokens: int) -> tuple[torch.Tensor, str]:
@@ -150,6 +160,7 @@ class EngramRuntime:
         self._trace = _TraceWriter(settings.trace) if settings.trace else None
         self._lock = threading.Lock()
         self._steps = self._tokens = 0
+        self._off_tokens = 0  # tokens with Engram off (serving/modes.py): they read no rows
         self._forward_seconds = self._engram_seconds = self._wait_seconds = 0.0
         self._layer_seconds, self._layer_calls = 0.0, 0
         self._stats_path = Path(settings.stats_file) if settings.stats_file else None
@@ -229,6 +240,8 @@ class EngramRuntime:
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
+        on, keep = self._engram_on(token_req, positions) if not capturing and hash_ids.shape[0] else (None, None)
+        reads = hash_ids if keep is None else hash_ids[keep]
         # A captured decode forward reads the host-reading layers' rows from the staged
         # buffers, which the plugin fills before every replay.
         staged = self.staged if capturing and prefetch and self.staged is not None else None
@@ -239,11 +252,23 @@ class EngramRuntime:
                 if staged is not None and L in staged.layers:
                     handles[L] = staged.handle(L, hash_ids.shape[0])
                 elif self.settings.prefetch:
-                    handles[L] = self.stores[L].prefetch(hash_ids[:, i])
-        step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles, captured=capturing)
+                    handles[L] = self.stores[L].prefetch(reads[:, i])
+        step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles, on=on, keep=keep,
+                          captured=capturing)
         if not capturing:
             self._open_step = step
         return step
+
+    @staticmethod
+    def _engram_on(token_req: torch.Tensor, positions: torch.Tensor):
+        """(on bool [T], indices of the on tokens) of a step where some token has Engram off,
+        else (None, None). A host sync (how many tokens read), only in such a step: a server
+        without modes never has one (and captures no CUDA graph with modes: serving/graphs.py)."""
+        on = SLOTS.token_mask(token_req, positions)
+        if on is None:
+            return None, None
+        keep = on.nonzero().squeeze(1)
+        return (None, None) if keep.numel() == on.numel() else (on, keep)
 
     @staticmethod
     def _release(step: Optional[EngramStep]) -> None:
@@ -264,7 +289,7 @@ class EngramRuntime:
         i = self.layer_index[layer_id]
         own = ids is None
         if own:
-            ids = step.hash_ids[:, i]
+            ids = step.read_ids(i)
         t0 = time.perf_counter()
         handle = step.handles.pop(layer_id, None) if step is not None else None
         if handle is not None and not own:
@@ -292,6 +317,11 @@ class EngramRuntime:
 
             # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
             rows = tensor_model_parallel_all_reduce(rows)
+        if own and step.keep is not None:
+            # Tokens with Engram off read nothing: +0.0 rows (what the reference uses).
+            full = rows.new_zeros(step.hash_ids.shape[0], *rows.shape[1:])
+            full[step.keep] = rows
+            rows = full
         if self._trace is not None and own:
             step.rows[layer_id] = rows
         return rows
@@ -311,6 +341,8 @@ class EngramRuntime:
         with self._lock:
             self._steps += 1
             self._tokens += int(step.hash_ids.shape[0])
+            if step.keep is not None:
+                self._off_tokens += int(step.hash_ids.shape[0]) - int(step.keep.numel())
             self._forward_seconds += now - step.started
             self._engram_seconds += engram_seconds
             self._wait_seconds += step.wait_seconds
@@ -343,14 +375,17 @@ class EngramRuntime:
         requests are not known here). The failed rows are +0 for the rest of this forward,
         never served."""
         rows = getattr(fault, "rows", None)
+        owners = step.token_req
         if rows is None or not own:
             bad = torch.ones(step.token_req.shape[0], dtype=torch.bool)
             rows = torch.zeros(*ids.shape, self.cfg.head_dim, dtype=torch.bfloat16, device=self.device)
         else:
             flat = ids.reshape(ids.shape[0], -1).cpu().numpy()
             bad = torch.from_numpy(np.isin(flat, fault.failed_ids).any(-1))
+            if step.keep is not None:
+                owners = owners[step.keep]  # the ids are those of the tokens with Engram on
         # Graph padding rows carry slot -1 (step_tokens): no request to fail.
-        slots = sorted(s for s in set(step.token_req.cpu()[bad].tolist()) if s >= 0)
+        slots = sorted(s for s in set(owners.cpu()[bad].tolist()) if s >= 0)
         message = f"engram layer {layer_id}: {fault}"
         with self._lock:
             for slot in slots:
@@ -395,6 +430,7 @@ class EngramRuntime:
                 "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)
                 "forward_steps": self._forward_steps,  # every step, CUDA-graph replays included
                 "tokens": self._tokens,
+                "engram_off_tokens": self._off_tokens,
                 "forward_seconds_per_step": self._forward_seconds / steps,
                 "engram_seconds_per_step": self._engram_seconds / steps,
                 "wait_seconds_per_step": self._wait_seconds / steps,
@@ -436,6 +472,7 @@ class _TraceWriter:
             "step": self.step,
             "pid": os.getpid(),
             "mode": step.mode,
+            "on": [1] * len(step.positions) if step.on is None else step.on.int().tolist(),
             "req": step.token_req.tolist(),
             "pos": step.positions.tolist(),
             "tok": step.input_ids.tolist(),
