@@ -29,6 +29,9 @@ What it installs:
   pool's per-token cost and allocated right after the pool, before CUDA-graph capture;
 * CUDA graphs off, with one line, for a placement that reads row ids on the host (disk)
   and for the per-step trace: serving/graphs.py;
+* with `--engram-disk-graphs on`, decode graphs kept for disk: buffers reserved before SGLang's
+  decode graphs are captured, each step's rows staged into them before the replay
+  (serving/staged_rows.py);
 * the stores' host work (hot-row cache maintenance, statistics) after each forward step,
   outside any CUDA graph (stores/maintenance.py).
 """
