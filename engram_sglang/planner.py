@@ -25,7 +25,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from .config import PLACEMENTS
+from .placement_table import PLACEMENT_TABLE, PLACEMENTS
 from .errors import EngramError
 from .planning.data import (
     GIB,
@@ -61,6 +61,7 @@ from .planning.model import (
     sglang_reserve_bytes,
     valid_tps,
 )
+from .planning import disk as disk_model
 from .planning.report import format_text
 
 # The planning package's names, re-exported, and this module's command line.
@@ -128,10 +129,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default: the smallest that fits with the chosen placement)")
     p.add_argument("--placement", choices=PLACEMENTS, default="host",
-                   help="where the tables live (default: host)")
+                   help="where the tables live: " + "; ".join(f"{p.name}, {p.what}" for p in PLACEMENT_TABLE.values())
+                   + " (default: host)")
     p.add_argument("--host-layout", choices=HOST_LAYOUTS, default="shared",
                    help="host placement: one copy per node in /dev/shm, or a shard per rank (default: shared)")
-    p.add_argument("--hot-cache-gib", type=float, default=0.0,
+    p.add_argument("--hot-cache-gib", "--cache-gib", type=float, default=0.0,
                    help="HBM per GPU given to the hot-row cache with host/disk placement (default: 0)")
     p.add_argument("--kv-bytes-per-token", type=float, default=None,
                    help="override the model's KV cache bytes per token (per rank)")
@@ -150,6 +152,25 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NUMA nodes with CPUs per server (default: the SKU's usual host, configs/gpus.json)")
     p.add_argument("--numa-dram-gib", type=float, default=None,
                    help="DRAM per NUMA node in GiB (default: the SKU's usual host, configs/gpus.json)")
+    d = p.add_argument_group("disk placement (--placement disk): the exposed read time per decode step")
+    d.add_argument("--disk-iops", type=float, default=None,
+                   help="the disk's 4 KiB random-read IOPS at queue depth 64 (or --measure-disk)")
+    d.add_argument("--measure-disk", default=None, metavar="PATH",
+                   help="measure IOPS and one read's latency on the disk holding this file (fio, else the project's "
+                        "own O_DIRECT reads)")
+    d.add_argument("--disk-latency-ms", type=float, default=None,
+                   help=f"one random read's latency (default: measured, else {disk_model.DEFAULT_LATENCY_MS} ms, an assumption)")
+    d.add_argument("--dram-cache-gib", type=float, default=0.0,
+                   help="DRAM row cache per rank, all layers (--engram-disk-dram-cache-mib / 1024; default 0)")
+    d.add_argument("--trace", default=None, metavar="FILE",
+                   help="an engram-sglang profile --trace file, replayed through the caches for the hit rate "
+                        "(default: an assumed curve, labelled)")
+    d.add_argument("--lead-ms", type=float, default=None,
+                   help="a decode step's time before the first Engram layer, which prefetched reads hide behind "
+                        "(default: the model's facts, labelled)")
+    d.add_argument("--batch", type=int, default=64, help="decode batch (requests per step; default 64)")
+    d.add_argument("--warm-steps", type=int, default=None,
+                   help="trace steps that only warm the caches (default: the first half)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -171,6 +192,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             host_numa=args.host_numa,
             numa_nodes=args.numa_nodes,
             numa_dram_gib=args.numa_dram_gib,
+            disk_iops=args.disk_iops,
+            disk_latency_ms=args.disk_latency_ms,
+            measure_disk=args.measure_disk,
+            dram_cache_gib=args.dram_cache_gib,
+            trace=args.trace,
+            lead_ms=args.lead_ms,
+            batch=args.batch,
+            warm_steps=args.warm_steps,
         )
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)

@@ -10,7 +10,9 @@ from typing import Any, Optional, Sequence
 
 from ..config import PLACEMENTS, EngramConfig
 from ..hashing import EngramLayout
+from ..placement_table import placement as placement_spec
 from ..rowformat import BLOCK
+from . import disk as disk_model
 from . import whole_rows
 from .data import (
     GIB,
@@ -61,6 +63,15 @@ class PlanInputs:
     host_numa: str = "auto"
     numa_nodes: Optional[int] = None
     numa_dram_gib: Optional[float] = None
+    # Disk placement: when SSD pays (planning/disk.py).
+    disk_iops: Optional[float] = None
+    disk_latency_ms: Optional[float] = None
+    measure_disk: Optional[str] = None
+    dram_cache_gib: float = 0.0
+    trace: Optional[str] = None
+    lead_ms: Optional[float] = None
+    batch: int = 64
+    warm_steps: Optional[int] = None
 
 
 def row_bytes(cfg: EngramConfig) -> int:
@@ -158,6 +169,14 @@ class Planner:
             raise PlannerError(f"--min-kv-tokens must be a whole number >= 0, got {inputs.min_kv_tokens!r}")
         if inputs.min_kv_tokens is not None and inputs.min_kv_tokens > MAX_TOKENS:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
+        disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
+                                     inputs.dram_cache_gib)
+        if inputs.placement == "disk" and inputs.disk_iops is None and inputs.measure_disk is None:
+            raise PlannerError("--placement disk: give the disk's 4 KiB random-read IOPS (--disk-iops N) or a file on "
+                               "it to measure (--measure-disk PATH)")
+        if inputs.placement != "disk" and (inputs.disk_iops is not None or inputs.measure_disk or inputs.trace):
+            raise PlannerError(f"--disk-iops, --measure-disk and --trace plan the disk placement; got --placement "
+                               f"{inputs.placement} (pass --placement disk)")
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -194,7 +213,7 @@ class Planner:
         w = self.facts.weight_bytes
         weights = None if w is None else -(-w // tp)
         tables = shard_bytes(self.rows, tp, self.row_bytes) if placement == "device" else 0
-        hot = int(round(self.inputs.hot_cache_gib * GIB)) if placement != "device" else 0
+        hot = int(round(self.inputs.hot_cache_gib * GIB)) if placement_spec(placement).cache_in_front else 0
         reserve = self.reserve(tp)
         free = None if weights is None else self.gpu.hbm_bytes - weights - tables - hot - reserve
         kv = self.kv_per_rank(tp)
@@ -385,6 +404,68 @@ class Planner:
         )
         return out
 
+    def disk(self, tp: int, per: dict[str, dict], smallest: dict[str, Optional[int]]) -> dict[str, Any]:
+        """The disk placement's decode step (planning/disk.py) and what it saves: HBM, KV and
+        GPUs against device placement, host DRAM against host placement."""
+        inp = self.inputs
+        trace = None
+        if inp.trace is not None:
+            trace, _ = disk_model.read_trace(inp.trace, self.cfg.fingerprint())
+        if inp.measure_disk:
+            measured = disk_model.measure_disk(inp.measure_disk)
+            iops, iops_src = measured["iops"], f"measured on {inp.measure_disk} by {measured['tool']}"
+            latency = measured["latency_ms"] if inp.disk_latency_ms is None else inp.disk_latency_ms
+            lat_src = iops_src if inp.disk_latency_ms is None else "--disk-latency-ms"
+        else:
+            iops, iops_src = float(inp.disk_iops), "--disk-iops"
+            latency = disk_model.DEFAULT_LATENCY_MS if inp.disk_latency_ms is None else inp.disk_latency_ms
+            lat_src = ("assumption: one 4 KiB random read on a datacenter NVMe SSD at low queue depth; "
+                       "--disk-latency-ms or --measure-disk sets it") if inp.disk_latency_ms is None else "--disk-latency-ms"
+        if inp.lead_ms is not None:
+            lead, lead_src = inp.lead_ms, "--lead-ms"
+        elif self.facts.decode_lead_ms is not None:
+            lead, lead_src = self.facts.decode_lead_ms, self.facts.sources.get("decode_lead_ms", "model facts")
+        else:
+            lead, lead_src = 0.0, "unknown for this model: 0 (nothing hidden); pass --lead-ms"
+        hot = per["disk"]["hot_cache_bytes"]
+        dram = int(round(inp.dram_cache_gib * GIB))
+        # A rank reads its own row-range shard of every layer, with its own caches: by the
+        # shard sampling argument (bench/cache.py) its hit rate is the whole table's at TP x
+        # its cache, so the whole trace is replayed with the caches of all TP ranks together.
+        step = disk_model.predict(layers=self.cfg.layer_ids, rows=self.rows, columns=self.cfg.hash_columns,
+                                  batch=inp.batch, iops=iops, latency_ms=latency, lead_ms=lead, dram_bytes=dram * tp,
+                                  hot_bytes=hot * tp, trace=trace, warm_steps=inp.warm_steps)
+        dram_node = self.host_dram(tp)
+        ranks = dram_node["ranks_per_node"] * dram_node["replicas_per_node"]
+        host_bytes = dram_node["shared_bytes"] if inp.host_layout == "shared" else dram_node["per_rank_bytes"]
+        disk_dram = dram * ranks
+        gpus = {p: (None if smallest[p] is None else smallest[p]) for p in ("device", "disk")}
+        return {
+            "iops": iops, "iops_source": iops_src, "latency_ms": latency, "latency_source": lat_src,
+            "lead_ms": lead, "lead_source": lead_src, "batch": inp.batch,
+            "dram_cache_bytes_per_rank": dram, "hot_cache_bytes_per_rank": hot,
+            "step": step,
+            "curve_source": (f"replay of {inp.trace} through RowDirectory (hot-row cache) and DramRowCache "
+                             f"(the stores' classes), first {step['per_layer'][str(self.cfg.layer_ids[0])].get('warm_steps')} "
+                             f"steps warming" if trace is not None else
+                             "assumption (no --trace): a row cache of a share of the rows hits as the store's policy "
+                             "did on real code text (bench/cache.py: 0.1% 22.7%, 1% 42.3%, 10% 63.9%, log-interpolated, "
+                             f"flat past 10%), hot-row and DRAM caches as one; {disk_model.DEFAULT_UNIQUE:.0%} of a "
+                             "step's ids distinct"),
+            "vs_device": {
+                "hbm_freed_bytes_per_gpu": per["disk"]["hbm_freed_bytes"],
+                "kv_tokens_gained_per_gpu": per["disk"]["kv_tokens_gained"],
+                "smallest_tp": gpus,
+                "gpus_saved_per_replica": (None if None in gpus.values() else gpus["device"] - gpus["disk"]),
+            },
+            "vs_host": {
+                "host_dram_bytes_per_node": host_bytes,
+                "disk_dram_cache_bytes_per_node": disk_dram,
+                "dram_saved_bytes_per_node": host_bytes - disk_dram,
+                "ranks_per_node": ranks,
+            },
+        }
+
     # ------------------------------------------------------------------ report
     def plan(self) -> dict[str, Any]:
         inp = self.inputs
@@ -459,6 +540,7 @@ class Planner:
             "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
             "host_link": self.host_link(tp),
             "rows_per_rank": self.rows_per_rank(tp),
+            "disk": self.disk(tp, per, smallest) if inp.placement == "disk" else None,
             "assumptions": self.assumptions(tp),
             "warnings": warnings,
         }
