@@ -154,7 +154,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DRAM per NUMA node in GiB (default: the SKU's usual host, configs/gpus.json)")
     d = p.add_argument_group("disk placement (--placement disk): the exposed read time per decode step")
     d.add_argument("--disk-iops", type=float, default=None,
-                   help="the disk's 4 KiB random-read IOPS at queue depth 64 (or --measure-disk)")
+                   help="4 KiB random-read IOPS at queue depth 64 the disk gives one replica (a server's disks shared by its replicas; or --measure-disk)")
     d.add_argument("--measure-disk", default=None, metavar="PATH",
                    help="measure IOPS and one read's latency on the disk holding this file (fio, else the project's "
                         "own O_DIRECT reads)")

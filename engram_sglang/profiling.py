@@ -128,9 +128,11 @@ class LayerCounts:
 
 
 def count_reads(hasher: NgramHasher, tokens: np.ndarray, streams: int = DECODE_BATCH,
-                window: int = 512) -> tuple[list[LayerCounts], int]:
+                window: int = 512, trace: Optional[list] = None) -> tuple[list[LayerCounts], int]:
     """Cut `tokens` into `streams` equal streams, hash each whole (in windows of steps, with
-    history), count reads per row and duplicates per decode step. Returns (per layer, steps)."""
+    history), count reads per row and duplicates per decode step. Returns (per layer, steps).
+    With `trace` (a list), each window's ids [steps, streams, layers, columns] are appended
+    to it in decode order (the planner replays them through the caches)."""
     cfg, layout = hasher.cfg, hasher.layout
     steps = tokens.shape[0] // streams
     if steps == 0:
@@ -148,6 +150,8 @@ def count_reads(hasher: NgramHasher, tokens: np.ndarray, streams: int = DECODE_B
             hasher.hash_sequence(torch.from_numpy(per[s, a:b]), history=per[s, max(0, a - back):a].tolist(), start=a)
             for s in range(streams)
         ])  # [streams, b - a, L, C]
+        if trace is not None:
+            trace.append(ids.permute(1, 0, 2, 3).numpy())
         for i, lc in enumerate(layers):
             layer_ids = ids[:, :, i, :]
             lc.counts.index_add_(0, layer_ids.reshape(-1), torch.ones(1, dtype=torch.int32).expand(layer_ids.numel()))
@@ -357,7 +361,7 @@ def check_memory(cfg: EngramConfig, layout: EngramLayout, memory_bytes: Optional
 
 
 def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_BATCH, max_tokens: Optional[int] = None,
-                keep_share: float = 0.05, file=None) -> dict:
+                keep_share: float = 0.05, file=None, trace_out=None) -> dict:
     t0 = time.perf_counter()
     file = file or sys.stdout
     check_inputs(streams, max_tokens, keep_share)
@@ -368,7 +372,8 @@ def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_
     files = corpus_files(corpus)
     skipped: list[Path] = []
     tokens = tokenize(tokenizer, read_texts(files, skipped), max_tokens)
-    layers, steps = count_reads(hasher, tokens, streams)
+    windows: Optional[list] = [] if trace_out is not None else None
+    layers, steps = count_reads(hasher, tokens, streams, trace=windows)
     text, summary = report(layers, steps, streams)
     binary = f" ({len(skipped)} binary skipped)" if skipped else ""
     print(f"{len(files) - len(skipped)} text files{binary}, {tokens.shape[0]:,} tokens as {streams} streams of "
@@ -377,6 +382,14 @@ def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_
     meta = {"model": str(model_dir), "corpus": [str(f) for f in files], "tokens": int(tokens.shape[0]),
             "streams": streams, "steps": steps, "skew": summary, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     path = write_profile(out, cfg, layers, meta, keep_share)
+    if trace_out is not None:
+        from .planning.disk import write_trace
+
+        ids = np.concatenate(windows)  # [steps, streams, L, C]
+        t = write_trace(trace_out, cfg.fingerprint(), {L: ids[:, :, i] for i, L in enumerate(cfg.layer_ids)},
+                        {"model": str(model_dir), "streams": streams, "steps": steps})
+        print(f"wrote {t} ({t.stat().st_size / 2**20:.1f} MiB: every stream's row ids in decode-step order, "
+              f"for engram-sglang plan --placement disk --trace)", file=file)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB: the hottest {keep_share:.0%} of each table's rows "
           f"read at least twice) in {time.perf_counter() - t0:.1f} s", file=file)
     return summary
@@ -384,7 +397,7 @@ def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_
 
 def cmd_profile(args) -> int:
     run_profile(args.model, args.corpus, args.out, streams=args.streams, max_tokens=args.max_tokens,
-                keep_share=args.keep_share)
+                keep_share=args.keep_share, trace_out=args.trace)
     return 0
 
 
@@ -404,5 +417,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens of the corpus")
     p.add_argument("--keep-share", type=float, default=0.05,
                    help="keep the hottest this share of each table's rows in the file (default 0.05)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="also write every stream's row ids in decode-step order (.npz, 4 B per id), which "
+                        "engram-sglang plan --placement disk --trace replays through the caches")
     p.set_defaults(func=cmd_profile)
     return p

@@ -130,6 +130,7 @@ class ModelFacts:
     kv_replicated: bool
     kv_heads: Optional[int]  # KV heads of standard attention, split over TP; None: not known
     sources: dict[str, str]
+    decode_lead_ms: Optional[float] = None  # a decode step's time before the first Engram layer (disk plan)
 
 
 def _raw_config(cfg: EngramConfig) -> dict[str, Any]:
@@ -192,6 +193,7 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
     if weight_gib is not None:
         sources["weight_bytes"] = sources.pop("non_engram_weight_gib")
     kv = checked("kv_bytes_per_token", fact("kv_bytes_per_token"), 1, MAX_KV_BYTES, False)
+    lead = checked("decode_lead_ms", fact("decode_lead_ms"), 0, 1e6, False)
     replicated = bool(facts.get("kv_replicated_across_tp", False))
     kv_heads = None
     if replicated:
@@ -208,6 +210,7 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
         kv_replicated=replicated,
         kv_heads=kv_heads,
         sources=sources,
+        decode_lead_ms=float(lead) if lead is not None else None,
     )
 
 

@@ -171,9 +171,6 @@ class Planner:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
         disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
                                      inputs.dram_cache_gib)
-        if inputs.placement == "disk" and inputs.disk_iops is None and inputs.measure_disk is None:
-            raise PlannerError("--placement disk: give the disk's 4 KiB random-read IOPS (--disk-iops N) or a file on "
-                               "it to measure (--measure-disk PATH)")
         if inputs.placement != "disk" and (inputs.disk_iops is not None or inputs.measure_disk or inputs.trace):
             raise PlannerError(f"--disk-iops, --measure-disk and --trace plan the disk placement; got --placement "
                                f"{inputs.placement} (pass --placement disk)")
@@ -540,7 +537,9 @@ class Planner:
             "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
             "host_link": self.host_link(tp),
             "rows_per_rank": self.rows_per_rank(tp),
-            "disk": self.disk(tp, per, smallest) if inp.placement == "disk" else None,
+            # The disk's decode step needs its IOPS; a capacity-only plan leaves it out (the report says so).
+            "disk": self.disk(tp, per, smallest) if inp.placement == "disk" and (
+                inp.disk_iops is not None or inp.measure_disk) else None,
             "assumptions": self.assumptions(tp),
             "warnings": warnings,
         }

@@ -94,6 +94,7 @@ def format_text(p: dict[str, Any]) -> str:
         f"  {'prefill chunk of ' + str(hl['prefill_chunk']) + ' tokens':<38}"
         f"{hl['prefill_chunk_bytes'] / 1e6:>10.2f} MB   {hl['prefill_chunk_ms_at_peak']:.2f} ms at peak",
         *_rows_per_rank(p),
+        *_disk(p),
         "",
         "Assumptions",
         *(f"  - {a}" for a in p["assumptions"]),
@@ -120,3 +121,36 @@ def _rows_per_rank(p: dict) -> list[str]:
     if p["host_layout"] != "shared" and r["recommend"] == "whole":
         lines.append("  (whole rows need the shared layout: --engram-host-shared on)")
     return lines
+
+
+def _disk(p: dict) -> list[str]:
+    """Disk placement: the decode step's reads and what the placement saves."""
+    d = p.get("disk")
+    if not d:
+        return ["", "Disk placement: pass --disk-iops N or --measure-disk PATH for the decode step's reads"] \
+            if p["placement"] == "disk" else []
+    st, dev, host = d["step"], d["vs_device"], d["vs_host"]
+    hit = " / ".join(f"L{L} {v['hit_rate']:.1%}" for L, v in st["per_layer"].items())
+    saved = dev["gpus_saved_per_replica"]
+    return [
+        "",
+        f"Disk placement: decode step of batch {d['batch']} (TP{p['tp']}; caches per rank: DRAM "
+        f"{_fmt_gib(d['dram_cache_bytes_per_rank'])}, HBM hot rows {_fmt_gib(d['hot_cache_bytes_per_rank'])})",
+        f"  {'hit rate (hot + DRAM caches)':<38}{hit}   ({st['curve']})",
+        f"  {'disk reads per step (all layers)':<38}{st['misses_per_step']:>10,.0f}   at {d['iops'] / 1e3:,.1f} k IOPS, "
+        f"{d['latency_ms']:.3g} ms latency",
+        f"  {'read time per step':<38}{st['read_ms']:>10.2f} ms",
+        f"  {'exposed, prefetch (lead ' + format(d['lead_ms'], 'g') + ' ms hidden)':<38}"
+        f"{st['exposed_ms_prefetch']:>10.2f} ms",
+        f"  {'exposed, staged CUDA graphs':<38}{st['exposed_ms_staged_graphs']:>10.2f} ms   (reads end before the replay)",
+        f"  {'vs device: HBM freed per GPU':<38}{_fmt_gib(dev['hbm_freed_bytes_per_gpu']):>14}   KV tokens "
+        f"{_fmt_tokens(dev['kv_tokens_gained_per_gpu'], signed=True)} per GPU; smallest TP device "
+        f"{dev['smallest_tp']['device'] or 'none'} vs disk {dev['smallest_tp']['disk'] or 'none'}"
+        + ("" if saved is None else f": {saved} GPU{'s' if abs(saved) != 1 else ''} saved per replica"),
+        f"  {'vs host: DRAM per node':<38}{_fmt_gib(host['dram_saved_bytes_per_node']):>14}   saved "
+        f"({_fmt_gib(host['host_dram_bytes_per_node'])} of host tables vs {host['ranks_per_node']} ranks' DRAM caches "
+        f"{_fmt_gib(host['disk_dram_cache_bytes_per_node'])})",
+        f"  IOPS: {d['iops_source']}; latency: {d['latency_source']}",
+        f"  lead: {d['lead_source']}",
+        f"  hit rates: {d['curve_source']}",
+    ]
