@@ -11,7 +11,8 @@
   as a CUDA graph holds their addresses), then run after each step's staging: exact rows;
 * the hasher's peek gives the ids its forward computes and commits nothing;
 * the plugin's wraps of SGLang's decode graph runner reserve before capture and stage
-  before each replay; a failed read fails only the step's requests;
+  before each replay; a failed read fails only the step's requests; what they rely on in
+  the installed SGLang is there;
 * the graph policy: decode graphs kept for disk with --engram-disk-graphs on and the overlap
   scheduler off, refused (one line) otherwise.
 
@@ -335,6 +336,21 @@ def test_the_plugin_stages_before_each_replay_and_reserves_before_capture(tables
             runner.execute(types.SimpleNamespace(**{**vars(fb), "forward_mode": ForwardMode.EXTEND}))
     finally:
         runtime.close()
+
+
+def test_the_wraps_target_what_sglang_calls():
+    """What the wraps rely on in the installed SGLang: the decode runner knows its largest
+    batch and tokens per request before it captures (in its constructor), and the model
+    runner replays a decode step through `execute` (never `backend.replay` directly)."""
+    import inspect
+
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
+
+    init = inspect.getsource(runner.DecodeCudaGraphRunner.__init__)
+    assert init.index("self.captured_req_width =") < init.index("self.max_bs = max(self.capture_bs)") \
+        < init.index("self.capture()")
+    assert "self.decode_cuda_graph_runner.execute(" in inspect.getsource(model_runner.ModelRunner._forward_raw)
 
 
 # ------------------------------------------------------------------ policy
