@@ -76,8 +76,10 @@ inline int64_t id_at(const Job& j, int64_t r) {
 }
 
 // Decoder void: the production decode (dequant_row_host); else that decoder's general path.
+// Always inlined: each ISA clone below must hold its own copy of the loop (a called body is
+// compiled once, for the baseline ISA, and the clones would only jump to it).
 template <class Decoder, typename IdT>
-inline void rows_body(const Job& j, int64_t begin, int64_t end) {
+inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin, int64_t end) {
     constexpr bool kProduction = std::is_void<Decoder>::value;
     for (int64_t r = begin; r < end; ++r) {
         if (r + kPrefetchAhead < end) {

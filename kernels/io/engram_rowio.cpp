@@ -497,6 +497,8 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
     int64_t m = 0;
     miss_ids.resize(static_cast<size_t>(unique));
     for (int64_t i = 0; i < unique; ++i) {
+        if (i + kPrefetchIds < unique && slot[i + kPrefetchIds] >= 0)
+            prefetch_lines(cache->rows + slot[i + kPrefetchIds] * kRowBytes, kRowBytes);
         if (slot[i] >= 0) {
             memcpy(packed + i * kRowBytes, cache->rows + slot[i] * kRowBytes, kRowBytes);
         } else {
