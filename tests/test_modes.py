@@ -159,3 +159,48 @@ def test_modes_turn_cuda_graphs_off_with_one_line():
     assert why.startswith("--engram-ablation on switches Engram per token") and "\n" not in why
     with pytest.raises(EngramConfigError, match="--engram-mode prefill switches"):
         graph_args("host", ["--cuda-graph-backend-decode", "full"], modes="--engram-mode prefill")
+
+
+# ------------------------------------------------------------------ the runtime
+@pytest.mark.parametrize("placement", ["device", "disk"])
+def test_the_runtime_reads_only_the_rows_of_tokens_with_engram_on(tmp_path, placement):
+    """One step of two requests (slot 0 off after position 2, slot 5 off): the stores are
+    asked for the on tokens' rows only, every off token gets +0.0 rows, the on tokens their
+    exact rows, and the statistics count the off tokens. Then the same step with every
+    request on reads every row (the control)."""
+    from conftest import random_table_dir, small_config
+    from engram_sglang import rowformat
+    from engram_sglang.hashing import NgramHasher
+    from engram_sglang.serving.runtime import EngramRuntime
+
+    cfg = small_config(400)
+    root, table = random_table_dir(tmp_path, cfg)
+    gen = torch.Generator().manual_seed(0)
+    hasher = NgramHasher(cfg, torch.randint(0, cfg.compressed_vocab_size, (cfg.vocab_size,), generator=gen))
+    tokens = torch.randint(0, cfg.vocab_size, (10,), generator=gen)
+    hash_ids = hasher.hash_sequence(tokens.tolist())
+    token_req = torch.tensor([0] * 6 + [5] * 4)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+    want_on = torch.tensor([True, True, False, False, False, False, False, False, False, False])
+    slots, cols = SlotModes(), hash_ids.shape[2]
+    runtime = EngramRuntime(cfg, hasher, ServeSettings(placement=placement), root, torch.device("cpu"))
+    try:
+        for record, on in (({0: (0, 2), 5: (0, 0)}, want_on), ({0: (0, END), 5: (0, END)}, torch.ones(10, dtype=torch.bool))):
+            slots.record(record)
+            served_before = [runtime.stores[L].stats()["rows_served"] for L in cfg.layer_ids]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr("engram_sglang.serving.runtime.SLOTS", slots)
+                step = runtime.begin(hash_ids, token_req, positions, tokens, "extend")
+                assert (step.on is None) == bool(on.all())
+                for i, L in enumerate(cfg.layer_ids):
+                    got = rowformat.bf16_bits(runtime.rows(step, L))
+                    full = rowformat.dequantize(torch.from_numpy(table[L][hash_ids[:, i].reshape(-1).numpy()]))
+                    full = full.view(10, cols, -1)
+                    full[~on] = 0
+                    assert torch.equal(got, rowformat.bf16_bits(full)), L
+                runtime.end(step, 0.0, 0.0, 1)
+            served = [runtime.stores[L].stats()["rows_served"] - b for L, b in zip(cfg.layer_ids, served_before)]
+            assert served == [int(on.sum()) * cols] * len(cfg.layer_ids), served
+        assert runtime.stats()["engram_off_tokens"] == 8
+    finally:
+        runtime.close()

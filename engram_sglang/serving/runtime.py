@@ -240,7 +240,9 @@ class EngramRuntime:
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
         handles = {}
-        on, keep = self._engram_on(token_req, positions) if not capturing and hash_ids.shape[0] else (None, None)
+        # Modes apply to the step's own ids (not to a context-parallel rank's slice: prefetch False).
+        use = not capturing and prefetch and hash_ids.shape[0]
+        on, keep = self._engram_on(token_req, positions) if use else (None, None)
         reads = hash_ids if keep is None else hash_ids[keep]
         # A captured decode forward reads the host-reading layers' rows from the staged
         # buffers, which the plugin fills before every replay.
