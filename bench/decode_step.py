@@ -61,8 +61,8 @@ from engram_sglang.config import EngramConfig  # noqa: E402
 from engram_sglang.errors import EngramError  # noqa: E402
 from engram_sglang.hashing import EngramLayout, NgramHasher  # noqa: E402
 from engram_sglang.layer import EngramLayer  # noqa: E402
-from engram_sglang.serving.staged_rows import StagedRows  # noqa: E402
 from engram_sglang.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits  # noqa: E402
+from engram_sglang.serving.staged_rows import StagedRows  # noqa: E402
 from engram_sglang.stores import maintenance  # noqa: E402
 from engram_sglang.stores import open_store  # noqa: E402
 from engram_sglang.tablefile import open_tables, write_tables  # noqa: E402
@@ -271,7 +271,6 @@ class Variant:
             self.staged.reserve(t)
         self.graph = None
         self.error = ""
-        self.na = ""  # why this variant cannot run here (no GPU), not an error
         self.samples: list[float] = []
         self.reset()
 
