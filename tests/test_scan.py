@@ -86,3 +86,37 @@ def test_scan_cli_json_and_a_missing_file(tmp_path, capsys):
     assert main(["scan", "--model", str(demo_dir()), str(tmp_path / "nope.txt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope.txt: no such file or directory" in err
+
+
+def test_gate_stats_round_trip_and_skipped_rows(tmp_path):
+    from engram_sglang.analysis.skip import read_gate_stats, skipped_rows, write_gate_stats
+    from engram_sglang.errors import EngramError
+
+    path = write_gate_stats(tmp_path / "g.npz", hand_corpus(), [7], "fp", {})
+    stats = read_gate_stats(path, "fp")
+    rows, gate = stats[7]
+    assert rows.tolist() == [10, 11, 20, 21, 31, 100, 101]
+    assert gate.tolist() == pytest.approx([0.7, 0.8, 0.25, 0.25, 0.5, 0.1, 0.1])
+    assert skipped_rows(stats, 0.3)[7].tolist() == [20, 21, 100, 101]
+    with pytest.raises(EngramError, match="want engram-gate-stats-v1 for other"):
+        read_gate_stats(path, "other")
+
+
+def test_skipping_rows_reads_zeros_and_counts_reads():
+    from engram_sglang.analysis.scoring import ReferenceScorer
+    from engram_sglang.analysis.skip import Skipping
+
+    ref = reference()
+    doc = documents(ref.tokenizer, CODE, 64, 1)[0]
+    scorer = ReferenceScorer(None, reference=ref)
+    (plain,) = scorer.score([(doc, "on")])
+    with Skipping(ref, {}) as s:
+        assert scorer.score([(doc, "on")])[0] == plain  # nothing skipped: bit-equal
+    assert s.skipped == 0 and s.reads == len(doc) * ref.engram.hash_columns * len(ref.engram.layer_ids)
+    L = ref.engram.layer_ids[0]
+    read = np.unique(ref.hasher.hash_sequence(torch.tensor(doc)).numpy()[:, 0])
+    with Skipping(ref, {L: read}) as s:  # every row of the first Engram layer
+        skipped = scorer.score([(doc, "on")])[0]
+        assert s.skipped == len(doc) * ref.engram.hash_columns and skipped != plain
+        assert ref.rows(ref.hasher.hash_sequence(torch.tensor(doc)))[L].abs().sum() == 0
+    assert "rows" not in vars(ref)  # the model reads its rows again

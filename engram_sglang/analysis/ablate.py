@@ -3,7 +3,7 @@
 Teacher forcing through a real SGLang server's input logprobs (analysis/scoring.py), against
 a running server (`--url`) or one it starts on `--model` with `--engram-ablation on`:
 
-* per domain (`--domain NAME=FILE`): the file cut into documents (analysis/inputs.py), each
+* per domain (`--domain NAME=FILE`, a name given again adds a file): each file cut into documents (analysis/inputs.py), each
   scored with Engram on and off (every token is a prompt token under teacher forcing, so
   "prefill" equals on and "decode" equals off);
 * answer spans (`--pairs FILE.jsonl`, fields prompt and answer): only the answer's tokens
@@ -43,8 +43,11 @@ def pair_modes(pair: Pair) -> dict:
 def score_domains(scorer, tokenizer, domains: Sequence[tuple[str, Path]], chunk_tokens: int,
                   max_docs: Optional[int]) -> list[dict]:
     rows = []
-    for name, path in domains:
-        docs = documents(tokenizer, path, chunk_tokens, max_docs)
+    files: dict[str, list[Path]] = {}
+    for name, path in domains:  # a name given twice is one domain of several files
+        files.setdefault(name, []).append(path)
+    for name, paths in files.items():
+        docs = [d for path in paths for d in documents(tokenizer, path, chunk_tokens, max_docs)]
         per_mode = {}
         for mode in DOMAIN_MODES:
             per_mode[mode] = scorer.score([(d, mode) for d in docs])
@@ -97,7 +100,7 @@ def run_ablate(scorer, tokenizer, *, domains: Sequence[tuple[str, Path]] = (), p
     print(report.table(rows), file=file)
     print(f"  scored in {seconds:.1f} s", file=file)
     return {"source": source, "chunk_tokens": chunk_tokens, "max_docs": max_docs,
-            "domains": {name: str(path) for name, path in domains}, "pairs": str(pairs) if pairs else None,
+            "domains": [[name, str(path)] for name, path in domains], "pairs": str(pairs) if pairs else None,
             "modes": {"domain": list(DOMAIN_MODES), "answer": ["on", ANSWER_WINDOW, "off"]},
             "bootstrap": {"draws": report.BOOTSTRAP, "seed": report.SEED}, "rows": rows, "seconds": seconds}
 
@@ -114,6 +117,8 @@ def cmd_ablate(args) -> int:
     from ..profiling import load_tokenizer
 
     domains = [parse_domain(d) for d in args.domain or ()]
+    if not 1 <= args.concurrency <= 1024:
+        raise EngramError(f"--concurrency must be from 1 to 1024, got {args.concurrency}")
     if args.reference:
         if args.url:
             raise EngramError("--reference scores with the reference forward: leave out --url")
@@ -169,10 +174,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--table-dir", help="table directory (default: MODEL/engram_tables)")
     p.add_argument("--engram", action="append", type=_engram_flag, metavar="KEY=VALUE",
                    help="an --engram-KEY VALUE flag for the server this starts, e.g. placement=disk (repeatable)")
-    p.add_argument("--domain", action="append", metavar="NAME=FILE", help="a domain's text file (repeatable)")
+    p.add_argument("--domain", action="append", metavar="NAME=FILE",
+                   help="a domain's text file (repeatable; the same NAME again adds a file to that domain)")
     p.add_argument("--pairs", type=Path, metavar="FILE.jsonl", help="prompt/answer pairs, one JSON object a line")
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per document (default 512)")
-    p.add_argument("--max-docs", type=int, default=None, help="at most this many documents per domain")
+    p.add_argument("--max-docs", type=int, default=None, help="at most this many documents per file (its first)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     p.add_argument("--png", type=Path, help="write the figure (bits/token; difference vs on) here")

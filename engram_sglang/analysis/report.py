@@ -89,10 +89,10 @@ def plot(path: str | os.PathLike, rows: Sequence[dict], title: str) -> Path:
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
         vals = [at[(s, mode)]["bits_per_token"] if (s, mode) in at else np.nan for s in sets]
-        a.bar(x + i * width, vals, width, label=mode)
+        a.bar(x + i * width, vals, width, label=mode, color=f"C{i}")
     a.set_xticks(x + width * (len(modes) - 1) / 2, sets, rotation=20, ha="right")
     a.set_ylabel("bits / token")
-    a.legend()
+    a.legend(loc="upper left", fontsize=8, framealpha=0.9)
     others = [m for m in modes if m != "on"]
     width = 0.8 / max(1, len(others))
     for i, mode in enumerate(others):
@@ -102,11 +102,11 @@ def plot(path: str | os.PathLike, rows: Sequence[dict], title: str) -> Path:
             vals.append(r["diff_vs_on"] if r else np.nan)
             err[0].append(r["diff_vs_on"] - r["diff_ci95"][0] if r else 0)
             err[1].append(r["diff_ci95"][1] - r["diff_vs_on"] if r else 0)
-        b.bar(x + i * width, vals, width, yerr=err, capsize=3, label=mode)
+        b.bar(x + i * width, vals, width, yerr=err, capsize=3, label=mode, color=f"C{modes.index(mode)}")
     b.axhline(0, color="black", linewidth=0.8)
     b.set_xticks(x + width * (len(others) - 1) / 2, sets, rotation=20, ha="right")
     b.set_ylabel("bits / token vs on (95% interval over documents)")
-    b.legend()
+    b.legend(framealpha=0.9)
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)

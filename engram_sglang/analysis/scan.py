@@ -136,7 +136,7 @@ def layer_order(c: Corpus, tokenizer, i: int, n: int, n_heads: int, top: int, mi
 
 
 def run_scan(reference, tokenizer, files: Sequence[Path], *, chunk_tokens: int = 512, max_docs: Optional[int] = None,
-             top: int = TOP, min_count: int = MIN_COUNT, file=None) -> dict:
+             top: int = TOP, min_count: int = MIN_COUNT, gate_stats: Optional[Path] = None, file=None) -> dict:
     from .inputs import check_chunk_tokens, documents
 
     file = file or sys.stdout
@@ -161,6 +161,12 @@ def run_scan(reference, tokenizer, files: Sequence[Path], *, chunk_tokens: int =
         out["layers"][str(L)] = {str(n): layer_order(corpus, tokenizer, i, n, cfg.n_heads, top, min_count)
                                  for n in range(2, cfg.max_ngram_size + 1)}
     out["seconds"] = time.perf_counter() - t0
+    if gate_stats is not None:
+        from .skip import write_gate_stats
+
+        path = write_gate_stats(gate_stats, corpus, cfg.layer_ids, cfg.fingerprint(),
+                                {"files": out["files"], "tokens": out["tokens"]})
+        print(f"wrote {path} (per Engram layer: each row read, its mean gate and reads; see analysis/skip.py)", file=file)
     print(render(out), file=file)
     return out
 
@@ -201,7 +207,7 @@ def cmd_scan(args) -> int:
     tokenizer = load_tokenizer(args.model)
     reference = ReferenceModel(args.model, args.table_dir or Path(args.model) / TABLE_DIR_NAME, tokenizer=tokenizer)
     out = run_scan(reference, tokenizer, files, chunk_tokens=args.chunk_tokens, max_docs=args.max_docs, top=args.top,
-                   min_count=args.min_count)
+                   min_count=args.min_count, gate_stats=args.gate_stats)
     if args.json:
         print(f"wrote {write_json(args.json, out)}")
     return 0
@@ -220,5 +226,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-count", type=int, default=MIN_COUNT,
                    help=f"rank only n-grams seen at least this often (default {MIN_COUNT})")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
+    p.add_argument("--gate-stats", type=Path, metavar="FILE.npz",
+                   help="write each row's mean gate and read count here (the history analysis/skip.py reads)")
     p.set_defaults(func=cmd_scan)
     return p
