@@ -448,6 +448,14 @@ def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_pa
         runtime.close()
 
 
+def test_disk_graphs_are_refused_for_deepseek(table):
+    from engram_sglang.errors import EngramError
+
+    table_dir, _, _ = table
+    with pytest.raises(EngramError, match="start without it"):
+        open_runtime(table_dir, "disk", disk_graphs=True)
+
+
 def test_loader_skips_table_tensors_only_when_our_store_serves():
     from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_deepseek_v4
 

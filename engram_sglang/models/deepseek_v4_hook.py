@@ -148,6 +148,11 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
         table_dir = Path(model_path) / "engram_tables"
     else:
         return None
+    if settings.disk_graphs:
+        # Staged rows are filled before each replay from our StepHasher's peek at the step's ids;
+        # upstream's hasher, which DeepSeek-V4.1 keeps (its hash is the checkpoint's), has none.
+        raise EngramError("--engram-disk-graphs on serves the Qwen3 Engram family; DeepSeek-V4.1 hashes with "
+                          "upstream's EngramHasher, whose ids cannot be staged before a replay: start without it")
     tp_rank, tp_size = rank_rows(settings, parallel)
     device = torch.device(device if device is not None else torch.get_default_device())
     key = (str(table_dir), settings.placement, str(device), tp_rank, tp_size)
