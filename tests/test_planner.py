@@ -349,3 +349,162 @@ def test_whole_rows_or_shard_per_sku_from_the_bytes():
     half = whole_rows.step_bytes(tokens=256, layers=2, columns=24, head_dim=256, lines_per_row=5, tp=8, hit_rate=0.5)
     full = whole_rows.step_bytes(tokens=256, layers=2, columns=24, head_dim=256, lines_per_row=5, tp=8)
     assert half["host_bytes_added"] == full["host_bytes_added"] / 2
+
+
+# ------------------------------------------------------------------ disk placement: when SSD pays
+from engram_sglang.planning import disk as disk_plan  # noqa: E402
+
+
+def small_model(tmp_path) -> tuple[Path, object]:
+    """A model dir of a small Engram config (two layers), and its config."""
+    from engram_sglang.config import EngramConfig
+
+    cfg = {"model_type": "qwen3_engram_test", "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 64,
+           "hidden_size": 256, "max_position_embeddings": 4096, "engram_layer_ids": [1, 2],
+           "engram_max_ngram_size": 3, "engram_n_heads": 4, "engram_head_dim": 256, "engram_vocab_size": 20000,
+           "engram_compressed_vocab_size": 1000, "engram_pad_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, EngramConfig.from_pretrained(tmp_path)
+
+
+def zipf_trace(cfg, steps=60, streams=32, seed=0) -> dict[int, "np.ndarray"]:
+    import numpy as np
+
+    from engram_sglang.hashing import EngramLayout
+
+    rng = np.random.default_rng(seed)
+    rows = EngramLayout(cfg).num_embeddings
+    return {L: (rng.zipf(1.3, (steps, streams, cfg.hash_columns)) * 7919 % r).astype(np.int64)
+            for L, r in zip(cfg.layer_ids, rows)}
+
+
+def test_disk_prediction_arithmetic_on_the_default_curve():
+    """No trace: misses = batch x 24 x distinct share x (1 - hit(cache share)) per layer; the
+    read = latency + misses / IOPS; prefetch hides the lead, staged graphs hide nothing."""
+    p = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=200_000, disk_latency_ms=0.2, lead_ms=0.5,
+             dram_cache_gib=4, batch=64)
+    d = p["disk"]
+    from engram_sglang.stores.base import split_by_rows
+    from engram_sglang.stores.dram_cache import plan_slots
+
+    per = split_by_rows(4 * GIB * 4, dict(zip((1, 14), ROWS)))  # 4 ranks' caches together: the whole table's
+    misses = sum(64 * 24 * 0.96 * (1 - disk_plan.default_hit_rate(plan_slots(per[L], 8) / r)) for L, r in zip((1, 14), ROWS))
+    read = 0.2 + 1e3 * misses / 200_000
+    assert d["step"]["misses_per_step"] == pytest.approx(misses, rel=1e-12)
+    assert d["step"]["read_ms"] == pytest.approx(read, rel=1e-12)
+    assert d["step"]["exposed_ms_prefetch"] == pytest.approx(read - 0.5, rel=1e-12)
+    assert d["step"]["exposed_ms_staged_graphs"] == pytest.approx(read, rel=1e-12)
+    assert d["step"]["curve"] == "default (assumption)" and "assumption" in d["curve_source"]
+    # The curve's own points, and 0 with no cache.
+    assert disk_plan.default_hit_rate(0) == 0 and disk_plan.default_hit_rate(0.01) == pytest.approx(0.423)
+    assert disk_plan.default_hit_rate(0.5) == pytest.approx(0.639)
+    # A lead longer than the reads hides them all.
+    q = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=1e9, disk_latency_ms=0, lead_ms=0.5, batch=1)
+    assert q["disk"]["step"]["exposed_ms_prefetch"] == 0.0
+    # Savings: vs device the shard's HBM (KV tokens), vs host the host copies less the DRAM caches.
+    assert d["vs_device"]["hbm_freed_bytes_per_gpu"] == p["hbm_per_gpu"]["disk"]["hbm_freed_bytes"] > 40 * GIB
+    h = d["vs_host"]
+    assert h["disk_dram_cache_bytes_per_node"] == 8 * 4 * GIB
+    assert h["dram_saved_bytes_per_node"] == p["host_dram_per_node"]["shared_bytes"] - 8 * 4 * GIB
+    assert d["vs_device"]["smallest_tp"] == {"device": p["smallest_tp"]["device"], "disk": p["smallest_tp"]["disk"]}
+    assert d["lead_source"].startswith("--lead-ms") and d["iops_source"] == "--disk-iops"
+    text = format_text(p)
+    assert "Disk placement: decode step of batch 64" in text and "exposed, staged CUDA graphs" in text
+    assert f"{read - 0.5:.2f} ms" in text
+    # Defaults are labelled: the lead from the model's facts, the latency an assumption.
+    r = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=200_000)["disk"]
+    assert r["lead_ms"] == 0.5 and "assumption" in r["lead_source"] and "assumption" in r["latency_source"]
+
+
+def test_read_time_of_known_misses():
+    assert disk_plan.read_time_ms(0, 1000, 5) == 0
+    assert disk_plan.read_time_ms(500, 100_000, 0.25) == pytest.approx(5.25)
+
+
+def test_trace_replay_exact_on_known_traces(tmp_path):
+    """Every step reads the same rows: after the first step every fetch hits a cache that
+    holds them; every step reads new rows: every fetch misses, whatever the cache."""
+    import numpy as np
+
+    same = np.tile(np.arange(24, dtype=np.int64) * 101, (10, 4, 1))  # [steps, streams, 24]
+    r = disk_plan.replay(same, 100_000, 4, dram_bytes=1 << 20, warm_steps=1)
+    assert (r["fetches_per_step"], r["misses_per_step"], r["hit_rate"]) == (24, 0, 1.0)
+    new = np.arange(10 * 4 * 24, dtype=np.int64).reshape(10, 4, 24)
+    r = disk_plan.replay(new, 100_000, 4, dram_bytes=1 << 20, hot_bytes=1 << 20)
+    assert (r["fetches_per_step"], r["misses_per_step"], r["steps"], r["warm_steps"]) == (96, 96, 5, 5)
+    assert disk_plan.replay(new, 100_000, 2, dram_bytes=0)["misses_per_step"] == 48  # the first 2 streams
+
+
+def test_trace_replay_curve_is_monotone_in_cache_size(tmp_path):
+    model, cfg = small_model(tmp_path)
+    trace = zipf_trace(cfg)
+    from engram_sglang.hashing import EngramLayout
+
+    rows = EngramLayout(cfg).num_embeddings
+    sizes = [0, 0.002, 0.01, 0.05, 0.2]
+    c = disk_plan.curve(cfg.layer_ids, rows, cfg.hash_columns, 32, sizes, 0, trace)
+    misses = [x["misses_per_step"] for x in c]
+    assert all(a >= b for a, b in zip(misses, misses[1:])), misses
+    assert misses[0] > misses[-1] and c[0]["hit_rate"] == 0
+    # A hot-row cache in front takes its share too.
+    with_hot = disk_plan.curve(cfg.layer_ids, rows, cfg.hash_columns, 32, [0.002], 1 << 20, trace)
+    assert with_hot[0]["misses_per_step"] < misses[1]
+
+
+def test_plan_replays_a_trace_file(tmp_path):
+    """plan --trace: the replayed misses of the model's own trace, at the rank's caches x TP."""
+    model, cfg = small_model(tmp_path)
+    trace = zipf_trace(cfg)
+    path = disk_plan.write_trace(tmp_path / "t.npz", cfg.fingerprint(), trace, {"streams": 32})
+    back, meta = disk_plan.read_trace(path, cfg.fingerprint())
+    assert all((back[L] == trace[L]).all() for L in trace) and meta["streams"] == 32
+    p = plan(model=str(model), gpu="H100", tp=2, placement="disk", weights_gib=1, disk_iops=50_000,
+             disk_latency_ms=0.1, lead_ms=0.05, dram_cache_gib=0.001, trace=str(path), batch=16, warm_steps=20)
+    d = p["disk"]
+    from engram_sglang.hashing import EngramLayout
+
+    want = disk_plan.predict(layers=cfg.layer_ids, rows=EngramLayout(cfg).num_embeddings, columns=cfg.hash_columns,
+                             batch=16, iops=50_000, latency_ms=0.1, lead_ms=0.05, dram_bytes=2 * round(0.001 * GIB),
+                             trace=trace, warm_steps=20)
+    assert d["step"] == want and want["per_layer"]["1"]["steps"] == 40
+    assert d["step"]["curve"] == "trace replay" and "RowDirectory" in d["curve_source"]
+    assert want["read_ms"] == pytest.approx(0.1 + 1e3 * want["misses_per_step"] / 50_000)
+
+
+def test_bad_disk_inputs_are_one_line(tmp_path, capsys):
+    model, cfg = small_model(tmp_path)
+    path = disk_plan.write_trace(tmp_path / "t.npz", "0" * 16, zipf_trace(cfg), {})
+    base = dict(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=1000)
+    for kwargs, want in [
+        (dict(disk_iops=0), "--disk-iops must be a number from 1 to"),
+        (dict(disk_iops=float("nan")), "--disk-iops must be a number"),
+        (dict(batch=0), "--batch must be a whole number from 1 to 65536, got 0"),
+        (dict(lead_ms=-1), "--lead-ms must be a number from 0"),
+        (dict(disk_latency_ms=float("inf")), "--disk-latency-ms must be a number"),
+        (dict(dram_cache_gib=-2), "--dram-cache-gib must be a number from 0"),
+        (dict(placement="host"), "--disk-iops, --measure-disk and --trace plan the disk placement"),
+        (dict(trace=str(tmp_path / "none.npz")), "no such trace file"),
+        (dict(trace=str(path)), "its row ids mean other n-grams"),
+        (dict(measure_disk=str(tmp_path)), "--measure-disk"),
+    ]:
+        with pytest.raises(PlannerError) as e:
+            plan(**{**base, **kwargs})
+        assert want in one_line(e.value), (kwargs, str(e.value))
+    good = disk_plan.write_trace(tmp_path / "g.npz", cfg.fingerprint(), zipf_trace(cfg, streams=8), {})
+    with pytest.raises(PlannerError, match="--batch 16 is more than the trace's 8 streams"):
+        plan(model=str(model), gpu="H100", tp=1, placement="disk", disk_iops=1000, trace=str(good), batch=16)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(PlannerError, match="not an engram trace"):
+        disk_plan.read_trace(tmp_path / "junk.npz")
+    assert main(["--model", DSV41, "--gpu", "H200", "--placement", "disk", "--disk-iops", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--disk-iops must be a number" in err
+
+
+def test_measure_disk_without_fio_uses_the_projects_reads(tmp_path, monkeypatch):
+    """fio absent: the project's own O_DIRECT row reads measure IOPS and latency, and say so."""
+    f = tmp_path / "disk.bin"
+    f.write_bytes(bytes(4 << 20))
+    monkeypatch.setattr(disk_plan.shutil, "which", lambda name: None)
+    m = disk_plan.measure_disk(f, seconds=0.3, depth=8)
+    assert m["iops"] > 0 and m["latency_ms"] > 0 and "fio not installed" in m["tool"]

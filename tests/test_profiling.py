@@ -255,3 +255,31 @@ def test_broken_profile_files_are_one_line(model_dir, tmp_path):
     with pytest.raises(EngramError, match="layer 1: unreadable"):
         profiling.read_profile(path).layer(1)
     assert meta["format"] == profiling.FORMAT
+
+
+def test_profile_trace_is_each_streams_ids_in_decode_order(model_dir, tmp_path, capsys):
+    """profile --trace: ids_L [steps, streams, C] equal to each stream hashed whole, read back
+    by the planner under the model's fingerprint, and `plan --placement disk --trace` replays it."""
+    from engram_sglang.planner import plan
+    from engram_sglang.planning.disk import read_trace
+
+    parser = argparse.ArgumentParser(prog="engram-sglang")
+    profiling.add_parser(parser.add_subparsers(dest="command", required=True))
+    out, trace = tmp_path / "p.npz", tmp_path / "t.npz"
+    args = parser.parse_args(["profile", "--model", str(model_dir), str(CORPUS[2]), "--out", str(out),
+                              "--streams", "6", "--max-tokens", "3000", "--trace", str(trace)])
+    assert args.func(args) == 0
+    assert f"wrote {trace}" in capsys.readouterr().out
+    cfg = EngramConfig.from_pretrained(model_dir)
+    got, meta = read_trace(trace, cfg.fingerprint())
+    tokens = 3000 // 6
+    tok = profiling.load_tokenizer(model_dir)
+    ids = profiling.tokenize(tok, [CORPUS[2].read_text()], 3000)
+    hasher = NgramHasher.from_tokenizer(cfg, tok)
+    whole = torch.stack([hasher.hash_sequence(ids[s * tokens:(s + 1) * tokens].tolist()) for s in range(6)])
+    for i, L in enumerate(cfg.layer_ids):
+        assert np.array_equal(got[L], whole[:, :, i].permute(1, 0, 2).numpy())
+    assert meta["streams"] == 6 and meta["steps"] == tokens
+    p = plan(model=str(model_dir), gpu="H100", tp=1, placement="disk", disk_iops=10_000, trace=str(trace), batch=6,
+             dram_cache_gib=0.01)
+    assert p["disk"]["step"]["curve"] == "trace replay" and p["disk"]["step"]["per_layer"]["1"]["steps"] == tokens // 2
