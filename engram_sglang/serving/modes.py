@@ -146,9 +146,10 @@ def check_request(tokenized, settings) -> None:
 
 # ------------------------------------------------------------------- scheduler
 class SlotModes:
-    """Per request slot (req_pool_idx): the interval of positions where Engram is on, as
-    recorded from the batch about to run. Written by the scheduler's thread before it runs a
-    batch, read by the model's forward of that batch in the same process."""
+    """Per request slot (req_pool_idx): the interval of positions where Engram is on, for
+    the requests of the batch about to run. Written by the scheduler's thread before it runs
+    a batch, read by that batch's forward in the same process (the forward runs inside
+    `run_batch`; a step's tokens name only its batch's slots)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -156,34 +157,26 @@ class SlotModes:
         self._batch_all_on = True
 
     def record(self, spans: dict[int, tuple[int, int]]) -> None:
-        """The intervals of the batch about to run, per slot."""
+        """The intervals of the batch about to run, per slot (replacing the last batch's)."""
         with self._lock:
-            self._spans.update(spans)
+            self._spans = dict(spans)
             self._batch_all_on = all(span == (0, END) for span in spans.values())
-
-    def clear(self) -> None:
-        with self._lock:
-            self._spans.clear()
-            self._batch_all_on = True
-
-    def span(self, slot: int) -> tuple[int, int]:
-        return self._spans.get(slot, (0, END))
 
     def token_mask(self, token_req, positions):
         """bool [T]: whether each token of the step uses Engram (token_req: its request slot,
-        positions: its absolute position); None when every token of the batch does."""
+        -1 for graph padding; positions: its absolute position); None when every token of
+        the batch does."""
         import torch
 
         with self._lock:
             if self._batch_all_on or token_req.numel() == 0:
                 return None
-            slots = max(self._spans) + 1
-            table = torch.empty(slots, 2, dtype=torch.int64)
-            table[:, 0], table[:, 1] = 0, END
-            for slot, (lo, hi) in self._spans.items():
-                table[slot, 0], table[slot, 1] = lo, hi
+            spans = self._spans
+        slots = torch.tensor(list(spans), dtype=torch.int64)
+        table = torch.tensor([[0, END]], dtype=torch.int64).repeat(int(slots.max()) + 1, 1)
+        table[slots] = torch.tensor(list(spans.values()), dtype=torch.int64)
         table = table.to(token_req.device, non_blocking=True)
-        req = token_req.to(torch.int64).clamp(0, slots - 1)
+        req = token_req.to(torch.int64).clamp(0, table.shape[0] - 1)
         pos = positions.to(torch.int64)
         return (pos >= table[req, 0]) & (pos < table[req, 1])
 
