@@ -13,14 +13,16 @@ reference forward's in both.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from demo_support import demo_dir, reference, reference_completion
 from engram_sglang.serving.launch import Server
-from parallel_support import check_one_copy_per_layer, copies, mapped_copies, private_shm_dir, prompts, table_rows, \
-    thread_bind, use_gloo_platform
+from parallel_support import GLOO_PLATFORM_DIR, check_one_copy_per_layer, copies, mapped_copies, private_shm_dir, \
+    prompts, table_rows, thread_bind, use_gloo_platform
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +59,18 @@ def private_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
     return serve_tp2(tmp_path_factory, "shared")
+
+
+def test_sglang_resolves_the_gloo_platform_without_pynccl(tmp_path):
+    """Seconds, where a server that does not start takes minutes: SGLang finds the test
+    platform through its entry point, and it is the CPU platform out of tree, without PyNccl."""
+    server = use_gloo_platform(Server(tmp_path, log_path=tmp_path / "unused.log"))  # only its environment
+    probe = ("from sglang.srt.platforms import current_platform as p; "
+             "print(type(p).__name__, p.is_out_of_tree(), p.is_cpu(), p.capabilities.supports_pynccl, "
+             "p.get_torch_distributed_backend_str())")
+    out = subprocess.run([sys.executable, "-c", probe], env=server.env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["CpuGlooPlatform", "True", "True", "False", "gloo"], (out.stdout, GLOO_PLATFORM_DIR)
 
 
 @pytest.mark.parametrize("run", ["private_run", "shared_run"])
