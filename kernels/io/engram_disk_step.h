@@ -81,10 +81,38 @@ inline int default_decode_threads() {
     return 1;
 }
 
+using IdPos = std::pair<int64_t, int64_t>;
+
+// (id, position) pairs [0, n) sorted by id (ids >= 0). LSD radix sort, 11 bits a pass over
+// the ids' significant bits: a decode step's few thousand ids in ~3 linear passes, where a
+// comparison sort took ~0.3 ms here (a quarter of the step's host work).
+inline void sort_by_id(std::vector<IdPos>& a, int64_t n) {
+    constexpr int kBits = 11;
+    if (n < 256) {
+        std::sort(a.begin(), a.begin() + n);
+        return;
+    }
+    static thread_local std::vector<IdPos> tmp;
+    tmp.resize(static_cast<size_t>(n));
+    uint64_t all = 0;
+    for (int64_t i = 0; i < n; ++i) all |= static_cast<uint64_t>(a[i].first);
+    const int bits = all == 0 ? 0 : 64 - __builtin_clzll(all);
+    IdPos* src = a.data();
+    IdPos* dst = tmp.data();
+    for (int shift = 0; shift < bits; shift += kBits) {
+        int64_t count[(1 << kBits) + 1] = {};
+        for (int64_t i = 0; i < n; ++i) ++count[((static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)) + 1];
+        for (int k = 0; k < (1 << kBits); ++k) count[k + 1] += count[k];
+        for (int64_t i = 0; i < n; ++i) dst[count[(static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)]++] = src[i];
+        std::swap(src, dst);
+    }
+    if (src != a.data()) std::copy(src, src + n, a.data());
+}
+
 // Sorted distinct ids of [lo, hi) into `wanted`, each id's index in it into `local` (unique
 // for ids outside); returns unique. One sort of (id, position) pairs gives both.
 inline int64_t dedupe(const int64_t* ids, int64_t n, int64_t lo, int64_t hi, int64_t* wanted, int64_t* local) {
-    static thread_local std::vector<std::pair<int64_t, int64_t>> pairs;
+    static thread_local std::vector<IdPos> pairs;
     pairs.resize(static_cast<size_t>(n));
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -93,7 +121,7 @@ inline int64_t dedupe(const int64_t* ids, int64_t n, int64_t lo, int64_t hi, int
         else
             local[i] = -1;  // set to `unique` below
     }
-    std::sort(pairs.begin(), pairs.begin() + live);
+    sort_by_id(pairs, live);
     int64_t unique = 0;
     for (int64_t k = 0; k < live; ++k) {
         if (unique == 0 || wanted[unique - 1] != pairs[static_cast<size_t>(k)].first)
