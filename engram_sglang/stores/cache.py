@@ -142,7 +142,8 @@ class HotRowCache(TableStore):
         warm = f", pre-warmed with {self.prewarmed:,} rows from {self.profile_path}" if self.profile_path else ""
         when = f"every {self.maintain_every} steps" if self.maintain_every else "when maintain() is called"
         return (f"{self.inner.describe()}; hot-row cache {self.device_bytes / 2**30:.2f} GiB on {self.device}: "
-                f"{d.slots:,} rows ({d.slots / max(1, hi - lo):.2%} of the shard), {d.ways}-way, "
+                f"{d.slots:,} rows ({d.slots / max(1, hi - lo):.2%} of the {'table' if self.holds_whole_rows else 'shard'}), "
+                f"{d.ways}-way, "
                 f"admission {when}{warm}")
 
     # ------------------------------------------------------------------ reads
