@@ -397,7 +397,10 @@ def test_disk_prediction_arithmetic_on_the_default_curve():
     assert d["step"]["curve"] == "default (assumption)" and "assumption" in d["curve_source"]
     # The curve's own points, and 0 with no cache.
     assert disk_plan.default_hit_rate(0) == 0 and disk_plan.default_hit_rate(0.01) == pytest.approx(0.423)
-    assert disk_plan.default_hit_rate(0.5) == pytest.approx(0.639)
+    assert disk_plan.default_hit_rate(1.0) == disk_plan.default_hit_rate(2.0) == 1.0
+    assert disk_plan.default_hit_rate(0.0005) == pytest.approx(0.227 / 2)
+    rates = [disk_plan.default_hit_rate(x) for x in (0.0001, 0.001, 0.003, 0.01, 0.05, 0.1, 0.3, 1)]
+    assert rates == sorted(rates)
     # A lead longer than the reads hides them all.
     q = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=1e9, disk_latency_ms=0, lead_ms=0.5, batch=1)
     assert q["disk"]["step"]["exposed_ms_prefetch"] == 0.0

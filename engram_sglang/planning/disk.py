@@ -46,9 +46,10 @@ MAINTAIN_EVERY = 8  # the hot-row cache's maintenance period (stores/maintenance
 
 # Without a trace: the hit rate of a row cache holding a share of a layer's rows, measured on
 # real code text (bench/cache.py, layer 1, docs/measurements.md section 6: 0.1% 22.7%, 1%
-# 42.3%, 10% 63.9% for the store's policy), log-interpolated, 0 at no cache, held flat past
-# 10%; the hot-row and DRAM caches counted as one cache of their rows together.
-DEFAULT_CURVE = ((0.001, 0.227), (0.01, 0.423), (0.1, 0.639))
+# 42.3%, 10% 63.9% for the store's policy), and 100% when it holds every row (first reads
+# aside), log-interpolated, linear from 0 below 0.1%; the hot-row and DRAM caches counted
+# as one cache of their rows together.
+DEFAULT_CURVE = ((0.001, 0.227), (0.01, 0.423), (0.1, 0.639), (1.0, 1.0))
 DEFAULT_UNIQUE = 0.96  # distinct ids per id in a decode step (bench/tiers.py --part pipeline, batch 256)
 DEFAULT_LATENCY_MS = 0.1  # one 4 KiB random read on a datacenter NVMe SSD at low queue depth (assumption)
 

@@ -446,8 +446,8 @@ class Planner:
                              f"(the stores' classes), first {step['per_layer'][str(self.cfg.layer_ids[0])].get('warm_steps')} "
                              f"steps warming" if trace is not None else
                              "assumption (no --trace): a row cache of a share of the rows hits as the store's policy "
-                             "did on real code text (bench/cache.py: 0.1% 22.7%, 1% 42.3%, 10% 63.9%, log-interpolated, "
-                             f"flat past 10%), hot-row and DRAM caches as one; {disk_model.DEFAULT_UNIQUE:.0%} of a "
+                             "did on real code text (bench/cache.py: 0.1% 22.7%, 1% 42.3%, 10% 63.9%; 100% holding every row; "
+                             f"log-interpolated), hot-row and DRAM caches as one; {disk_model.DEFAULT_UNIQUE:.0%} of a "
                              "step's ids distinct"),
             "vs_device": {
                 "hbm_freed_bytes_per_gpu": per["disk"]["hbm_freed_bytes"],
