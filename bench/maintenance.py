@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engram_sglang.ops import gather_dequant  # noqa: E402
 from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
 from engram_sglang.stores import maintenance  # noqa: E402
-from engram_sglang.stores.base import TableStore  # noqa: E402
+from engram_sglang.stores.base import ResidentTable, TableStore  # noqa: E402
 from engram_sglang.stores.cache import HotRowCache  # noqa: E402
 from engram_sglang.stores.row_directory import SLOT_OVERHEAD  # noqa: E402
 
@@ -48,6 +48,10 @@ class MemoryTable(TableStore):
     @property
     def resident_bytes(self) -> int:
         return self.table.numel()
+
+    @property
+    def resident_table(self) -> ResidentTable:  # what a hot-row cache in front reads its misses from
+        return ResidentTable(self.table, self.table_address)
 
     def _gather(self, ids, out):
         return gather_dequant(self.table, ids.to(self.device), out=out, backend=self.backend), None
