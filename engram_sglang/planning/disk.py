@@ -148,7 +148,11 @@ def replay(ids: np.ndarray, rows: int, batch: int, dram_bytes: int, hot_bytes: i
     warm = steps // 2 if warm_steps is None else warm_steps
     if not 0 <= warm < steps:
         raise PlannerError(f"warm-up steps must be from 0 to {steps - 1} (the trace has {steps}), got {warm}")
-    hot, dram = _hot_cache(rows, hot_bytes) if hot_bytes else None, _dram_cache(rows, dram_bytes) if dram_bytes else None
+    # A cache of more slots than 16 x the rows the trace reads never fills a set (8-16 ways at a
+    # load of 1/16 or less), so it holds every row it admits whatever its size: the replay gives
+    # it no more slots than that (a DeepSeek-sized DRAM cache would take gigabytes of tags).
+    held = min(rows, 16 * int(np.unique(ids[:, :batch]).shape[0]) + 16)
+    hot, dram = _hot_cache(held, hot_bytes) if hot_bytes else None, _dram_cache(held, dram_bytes) if dram_bytes else None
     counts = np.zeros((steps - warm, 4), np.int64)  # ids, fetches, hot hits, dram hits
     try:
         for s in range(steps):
