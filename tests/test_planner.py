@@ -496,6 +496,9 @@ def test_bad_disk_inputs_are_one_line(tmp_path, capsys):
     good = disk_plan.write_trace(tmp_path / "g.npz", cfg.fingerprint(), zipf_trace(cfg, streams=8), {})
     with pytest.raises(PlannerError, match="--batch 16 is more than the trace's 8 streams"):
         plan(model=str(model), gpu="H100", tp=1, placement="disk", disk_iops=1000, trace=str(good), batch=16)
+    with pytest.raises(PlannerError, match="--warm-steps must be a whole number from 0 to 59"):
+        plan(model=str(model), gpu="H100", tp=1, placement="disk", disk_iops=1000, trace=str(good), batch=8,
+             warm_steps=60)
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(PlannerError, match="not an engram trace"):
         disk_plan.read_trace(tmp_path / "junk.npz")

@@ -146,8 +146,9 @@ def replay(ids: np.ndarray, rows: int, batch: int, dram_bytes: int, hot_bytes: i
         raise PlannerError(f"--batch {batch} is more than the trace's {streams} streams: trace with "
                            f"engram-sglang profile --streams {batch} (or more)")
     warm = steps // 2 if warm_steps is None else warm_steps
-    if not 0 <= warm < steps:
-        raise PlannerError(f"warm-up steps must be from 0 to {steps - 1} (the trace has {steps}), got {warm}")
+    if isinstance(warm, bool) or not isinstance(warm, int) or not 0 <= warm < steps:
+        raise PlannerError(f"--warm-steps must be a whole number from 0 to {steps - 1} (the trace has {steps} steps), "
+                           f"got {warm!r}")
     # A cache of more slots than 16 x the rows the trace reads never fills a set (8-16 ways at a
     # load of 1/16 or less), so it holds every row it admits whatever its size: the replay gives
     # it no more slots than that (a DeepSeek-sized DRAM cache would take gigabytes of tags).
@@ -222,7 +223,8 @@ def measure_disk(path: str | os.PathLike, seconds: float = 3.0, depth: int = 64)
                  "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={secs}", "--time_based", "--readonly",
                  "--output-format=json"], capture_output=True, text=True)
             if out.returncode != 0:
-                raise PlannerError(f"--measure-disk {path}: fio failed: {(out.stderr or out.stdout).strip()[:200]}")
+                raise PlannerError(f"--measure-disk {path}: fio failed: "
+                                  f"{' '.join((out.stderr or out.stdout).split())[:200]}")
             return json.loads(out.stdout)["jobs"][0]["read"]
         iops = fio(depth, seconds)["iops"]
         lat = fio(1, max(1.0, seconds / 3))["clat_ns"]["mean"] / 1e6
