@@ -188,6 +188,9 @@ def test_tokens_with_engram_off_read_no_rows(served):
     assert all(t["rows_served"] == on_tokens * cols for t in stats["tables"]), (on_tokens, stats["tables"])
 
 
-def test_the_server_turned_cuda_graphs_off_for_the_modes_in_one_line(served):
-    """(Rides on this server, also started with --engram-trace: the trace's reason wins.)"""
+def test_the_server_said_once_that_cuda_graphs_are_off(served):
+    """(Rides on this server, started with --engram-ablation on and --engram-trace: one
+    notice, the trace's; the modes' own reason is tested in test_modes.py.)"""
     assert served["log"].count("engram-sglang notice: ") == 1
+    assert served["log"].count("engram-sglang notice: --engram-trace writes each step's ids") == 1
+    assert "'cuda_graph_backend_decode': 'disabled', 'cuda_graph_backend_prefill': 'disabled'" in served["log"]
