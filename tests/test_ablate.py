@@ -106,6 +106,18 @@ def test_reference_ablation_on_the_demo_model(tmp_path, capsys):
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_server_that_ignores_modes_is_refused():
+    """Bit-equal logprobs with Engram off mean the server never applied the mode: one line,
+    never a table of zeros."""
+
+    class Deaf:
+        def score(self, items):
+            return [[-1.0] * (len(ids) - 1) for ids, _ in items]
+
+    with pytest.raises(EngramError, match="does not apply per-request Engram modes"):
+        ablate.score_domains(Deaf(), reference().tokenizer, [("code", CODE)], CHUNK, 2)
+
+
 # ------------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize("case", ["missing-domain", "bad-pairs", "bad-domain-arg", "nothing"])
 def test_bad_inputs_are_one_line_and_exit_2(tmp_path, capsys, case):
