@@ -97,8 +97,17 @@ class Skipping:
         del self.reference.rows  # back to the class's method
 
 
-def evaluate(reference, docs: Sequence[Sequence[int]], stats, thresholds: Sequence[float]) -> list[dict]:
-    """Per threshold: share of reads saved, bits/token, and the difference vs no skipping."""
+def random_rows(stats, skip: dict[int, np.ndarray], seed: int = 0) -> dict[int, np.ndarray]:
+    """The control: per layer as many rows as `skip` holds, drawn at random from the rows the
+    history saw (the predictor's candidates), so the gate's ranking is the only difference."""
+    rng = np.random.default_rng(seed)
+    return {L: np.sort(rng.choice(stats[L][0], size=len(rows), replace=False)) for L, rows in skip.items()}
+
+
+def evaluate(reference, docs: Sequence[Sequence[int]], stats, thresholds: Sequence[float],
+             control: bool = True) -> list[dict]:
+    """Per threshold: share of reads saved, bits/token, and the difference vs no skipping;
+    with `control`, the same for as many rows drawn at random (random_rows)."""
     from .report import bits
     from .scoring import ReferenceScorer
 
@@ -108,8 +117,14 @@ def evaluate(reference, docs: Sequence[Sequence[int]], stats, thresholds: Sequen
     base = sum(bits(x) for x in scorer.score(items)) / tokens
     out = []
     for t in thresholds:
-        with Skipping(reference, skipped_rows(stats, t)) as s:
+        skip = skipped_rows(stats, t)
+        with Skipping(reference, skip) as s:
             b = sum(bits(x) for x in scorer.score(items)) / tokens
-        out.append({"threshold": float(t), "reads": s.reads, "reads_saved": s.skipped / max(1, s.reads),
-                    "bits_per_token": b, "diff_vs_all_rows": b - base})
+        row = {"threshold": float(t), "rows_skipped": int(sum(map(len, skip.values()))), "reads": s.reads,
+               "reads_saved": s.skipped / max(1, s.reads), "bits_per_token": b, "diff_vs_all_rows": b - base}
+        if control and row["rows_skipped"]:
+            with Skipping(reference, random_rows(stats, skip)) as r:
+                b = sum(bits(x) for x in scorer.score(items)) / tokens
+            row.update(random_reads_saved=r.skipped / max(1, r.reads), random_diff_vs_all_rows=b - base)
+        out.append(row)
     return out
