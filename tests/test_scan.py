@@ -89,7 +89,7 @@ def test_scan_cli_json_and_a_missing_file(tmp_path, capsys):
 
 
 def test_gate_stats_round_trip_and_skipped_rows(tmp_path):
-    from engram_sglang.analysis.skip import read_gate_stats, skipped_rows, write_gate_stats
+    from engram_sglang.analysis.skip import random_rows, read_gate_stats, skipped_rows, write_gate_stats
     from engram_sglang.errors import EngramError
 
     path = write_gate_stats(tmp_path / "g.npz", hand_corpus(), [7], "fp", {})
@@ -98,6 +98,9 @@ def test_gate_stats_round_trip_and_skipped_rows(tmp_path):
     assert rows.tolist() == [10, 11, 20, 21, 31, 100, 101]
     assert gate.tolist() == pytest.approx([0.7, 0.8, 0.25, 0.25, 0.5, 0.1, 0.1])
     assert skipped_rows(stats, 0.3)[7].tolist() == [20, 21, 100, 101]
+    control = random_rows(stats, skipped_rows(stats, 0.3))[7]
+    assert len(set(control.tolist())) == 4 and set(control.tolist()) <= set(rows.tolist())
+    assert control.tolist() == random_rows(stats, skipped_rows(stats, 0.3))[7].tolist()  # seeded
     with pytest.raises(EngramError, match="want engram-gate-stats-v1 for other"):
         read_gate_stats(path, "other")
 
