@@ -13,7 +13,10 @@ counts the calls that read each row, a missed row takes the way of its set's wea
 (fewest calls, then least recently used) only when read in as many calls or more, so a
 one-off read (most 4-grams) never evicts a row read twice (a hot 2-gram). Beats LRU by
 2-6 points at 1% of the rows and matches or beats it at 10% (bench/cache.py --dram). All index work is
-numpy over a call's sorted unique ids (a decode step's few thousand): no per-row Python.
+numpy over a call's sorted unique ids (a decode step's few thousand): no per-row Python. The
+disk store's native step (stores/disk_step.py) runs the same policy, ported to C++ in
+kernels/io/engram_dram_policy.h, on this cache's own arrays and scalars (`_state`), so both
+see one cache and give the same hits on the same calls (tests/test_disk_step.py).
 
 Also the landing place of read-ahead (`DiskStore.read_ahead`): rows read before the step
 that needs them, so a prefill chunk's reads overlap the previous chunk's compute.
