@@ -171,9 +171,10 @@ class Planner:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
         disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
                                      inputs.dram_cache_gib)
-        if inputs.placement != "disk" and (inputs.disk_iops is not None or inputs.measure_disk or inputs.trace):
-            raise PlannerError(f"--disk-iops, --measure-disk and --trace plan the disk placement; got --placement "
-                               f"{inputs.placement} (pass --placement disk)")
+        if inputs.placement != "disk" and (inputs.disk_iops is not None or inputs.measure_disk or inputs.trace
+                                           or inputs.dram_cache_gib):
+            raise PlannerError(f"--disk-iops, --measure-disk, --trace and --dram-cache-gib plan the disk placement; got "
+                               f"--placement {inputs.placement} (pass --placement disk)")
 
     # ------------------------------------------------------------------ pieces
     @property
