@@ -470,6 +470,12 @@ def test_plan_replays_a_trace_file(tmp_path):
                              batch=16, iops=50_000, latency_ms=0.1, lead_ms=0.05, dram_bytes=2 * round(0.001 * GIB),
                              trace=trace, warm_steps=20)
     assert d["step"] == want and want["per_layer"]["1"]["steps"] == 40
+    # The sweep over DRAM cache sizes holds the chosen size's step, and never reads more with more cache.
+    sweep = d["by_dram_cache"]
+    assert [c["dram_cache_gib"] for c in sweep] == [0, 0.00025, 0.0005, 0.001, 0.002, 0.004]
+    assert sweep[3]["misses_per_step"] == want["misses_per_step"]
+    assert sweep[3]["exposed_ms_prefetch"] == pytest.approx(want["exposed_ms_prefetch"])
+    assert all(a["misses_per_step"] >= b["misses_per_step"] for a, b in zip(sweep, sweep[1:]))
     assert d["step"]["curve"] == "trace replay" and "RowDirectory" in d["curve_source"]
     assert want["read_ms"] == pytest.approx(0.1 + 1e3 * want["misses_per_step"] / 50_000)
 

@@ -433,6 +433,14 @@ class Planner:
         step = disk_model.predict(layers=self.cfg.layer_ids, rows=self.rows, columns=self.cfg.hash_columns,
                                   batch=inp.batch, iops=iops, latency_ms=latency, lead_ms=lead, dram_bytes=dram * tp,
                                   hot_bytes=hot * tp, trace=trace, warm_steps=inp.warm_steps)
+        # The same step at other DRAM cache sizes (per rank): where a bigger cache stops paying.
+        sizes = sorted({0.0, *(inp.dram_cache_gib * k for k in (0.25, 0.5, 1, 2, 4))} if inp.dram_cache_gib
+                       else {0.0, 1.0, 4.0, 16.0, 64.0})
+        sweep = disk_model.curve(self.cfg.layer_ids, self.rows, self.cfg.hash_columns, inp.batch,
+                                 [g * tp for g in sizes], hot * tp, trace, inp.warm_steps)
+        for g, c in zip(sizes, sweep):
+            c["dram_cache_gib"] = g
+            c["exposed_ms_prefetch"] = max(0.0, disk_model.read_time_ms(c["misses_per_step"], iops, latency) - lead)
         dram_node = self.host_dram(tp)
         ranks = dram_node["ranks_per_node"] * dram_node["replicas_per_node"]
         host_bytes = dram_node["shared_bytes"] if inp.host_layout == "shared" else dram_node["per_rank_bytes"]
@@ -443,6 +451,7 @@ class Planner:
             "lead_ms": lead, "lead_source": lead_src, "batch": inp.batch,
             "dram_cache_bytes_per_rank": dram, "hot_cache_bytes_per_rank": hot,
             "step": step,
+            "by_dram_cache": sweep,
             "curve_source": (f"replay of {inp.trace} through RowDirectory (hot-row cache) and DramRowCache "
                              f"(the stores' classes), first {step['per_layer'][str(self.cfg.layer_ids[0])].get('warm_steps')} "
                              f"steps warming" if trace is not None else

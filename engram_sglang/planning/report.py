@@ -143,6 +143,9 @@ def _disk(p: dict) -> list[str]:
         f"  {'exposed, prefetch (lead ' + format(d['lead_ms'], 'g') + ' ms hidden)':<38}"
         f"{st['exposed_ms_prefetch']:>10.2f} ms",
         f"  {'exposed, staged CUDA graphs':<38}{st['exposed_ms_staged_graphs']:>10.2f} ms   (reads end before the replay)",
+        f"  {'DRAM cache per rank, GiB':<38}" + "".join(f"{c['dram_cache_gib']:>9g}" for c in d["by_dram_cache"]),
+        f"  {'  hit rate':<38}" + "".join(f"{c['hit_rate']:>9.1%}" for c in d["by_dram_cache"]),
+        f"  {'  exposed ms, prefetch':<38}" + "".join(f"{c['exposed_ms_prefetch']:>9.2f}" for c in d["by_dram_cache"]),
         f"  {'vs device: HBM freed per GPU':<38}{_fmt_gib(dev['hbm_freed_bytes_per_gpu']):>14}   KV tokens "
         f"{_fmt_tokens(dev['kv_tokens_gained_per_gpu'], signed=True)} per GPU; smallest TP device "
         f"{dev['smallest_tp']['device'] or 'none'} vs disk {dev['smallest_tp']['disk'] or 'none'}"
