@@ -521,3 +521,11 @@ def test_measure_disk_without_fio_uses_the_projects_reads(tmp_path, monkeypatch)
     monkeypatch.setattr(disk_plan.shutil, "which", lambda name: None)
     m = disk_plan.measure_disk(f, seconds=0.3, depth=8)
     assert m["iops"] > 0 and m["latency_ms"] > 0 and "fio not installed" in m["tool"]
+
+
+@pytest.mark.skipif(disk_plan.shutil.which("fio") is None, reason="fio is not installed")
+def test_measure_disk_with_fio(tmp_path):
+    f = tmp_path / "disk.bin"
+    f.write_bytes(bytes(4 << 20))
+    m = disk_plan.measure_disk(f, seconds=0.3, depth=8)
+    assert m["iops"] > 0 and 0 < m["latency_ms"] < 1000 and m["tool"].startswith("fio libaio 4k O_DIRECT qd8")

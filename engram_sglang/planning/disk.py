@@ -220,14 +220,14 @@ def measure_disk(path: str | os.PathLike, seconds: float = 3.0, depth: int = 64)
         def fio(qd: int, secs: float) -> dict:
             out = subprocess.run(
                 ["fio", "--name=randread", f"--filename={path}", "--rw=randread", "--bs=4k", "--direct=1",
-                 "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={secs}", "--time_based", "--readonly",
+                 "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, int(secs * 1000))}ms", "--time_based", "--readonly",
                  "--output-format=json"], capture_output=True, text=True)
             if out.returncode != 0:
                 raise PlannerError(f"--measure-disk {path}: fio failed: "
                                   f"{' '.join((out.stderr or out.stdout).split())[:200]}")
             return json.loads(out.stdout)["jobs"][0]["read"]
         iops = fio(depth, seconds)["iops"]
-        lat = fio(1, max(1.0, seconds / 3))["clat_ns"]["mean"] / 1e6
+        lat = fio(1, seconds / 3)["clat_ns"]["mean"] / 1e6
         return {"iops": float(iops), "latency_ms": float(lat), "tool": f"fio libaio 4k O_DIRECT qd{depth} (latency: qd1)"}
     try:
         from ..stores import rowio
@@ -247,7 +247,7 @@ def measure_disk(path: str | os.PathLike, seconds: float = 3.0, depth: int = 64)
             took = time.perf_counter() - t0
             return done / took, took / calls
         iops, _ = rate(8192, depth, seconds)
-        _, lat = rate(1, 1, max(1.0, seconds / 3))
+        _, lat = rate(1, 1, seconds / 3)
         return {"iops": iops, "latency_ms": 1e3 * lat,
                 "tool": f"engram O_DIRECT row reads, {depth} threads (fio not installed; latency: one read at a time)"}
     finally:
