@@ -93,6 +93,7 @@ PLACEMENT_TABLE: dict[str, Placement] = {p.name: p for p in (
     Placement("disk", ".stores.disk:DiskStore",
               (PlacementOption("threads", "disk-threads"), PlacementOption("direct", "disk-direct"),
                PlacementOption("retries", "disk-retries"),
+               PlacementOption("native_step", "disk-native-step", default=True),
                PlacementOption("dram_cache_bytes", "disk-dram-cache-mib", scale=1 << 20, only_when_set=True)),
               ids_visit_host=True, capturable=False, whole_rows_with=(), cache_in_front=True,
               what="the table files, read on the host per step (each rank reads its row shard)"),

@@ -257,3 +257,18 @@ def test_an_unread_step_goes_to_the_store_reader_and_admits_only_good_rows(table
         assert store.dram.contains(np.arange(16)).tolist() == [i != 7 for i in range(16)]
     finally:
         store.close()
+
+
+def test_the_serving_knob_reaches_the_store(tables):
+    """--engram-disk-native-step off (ENGRAM_DISK_NATIVE_STEP) serves by the numpy path."""
+    from engram_sglang.serving.settings import ServeSettings
+
+    root, _ = tables
+    for value, native in (("off", False), ("on", True)):
+        options = ServeSettings.from_env({"ENGRAM_PLACEMENT": "disk", "ENGRAM_DISK_NATIVE_STEP": value}).store_options()
+        stores = open_store(root, "disk", cfg=CFG, **options)
+        try:
+            assert all(s.native_step is native for s in stores.values())
+        finally:
+            for s in stores.values():
+                s.close()

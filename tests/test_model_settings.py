@@ -18,7 +18,7 @@ def test_defaults_and_environment():
     assert s.store_options() == {}
     s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "disk", "ENGRAM_DISK_THREADS": "8", "ENGRAM_DISK_DIRECT": "on",
                                 "ENGRAM_PREFETCH": "0", "ENGRAM_DEBUG": "skip-wait"})
-    assert s.store_options() == {"threads": 8, "direct": True, "retries": 2}
+    assert s.store_options() == {"threads": 8, "direct": True, "retries": 2, "native_step": True}
     assert not s.prefetch and s.debug == ("skip-wait",)
     s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "yes", "ENGRAM_HUGE_PAGES": "off"})
     assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False, "numa": "auto",

@@ -59,6 +59,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
     Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
+    Knob("disk-native-step", "bool", True, "disk placement: each layer's step in one native call (dedupe, DRAM-cache "
+         "lookup, reads, admission; on the CPU the decode); off: the numpy path, the same-run baseline"),
     Knob("disk-dram-cache-mib", "int", 0, "disk placement: MiB of host memory (all Engram layers of a rank) for a "
          "row cache in front of the table files; 0 for none (pair it with --engram-disk-direct on)"),
     Knob("cache-mib", "int", 0, "host or disk placement: MiB of device memory (all Engram layers of a rank) for a "
@@ -92,6 +94,7 @@ class ServeSettings:
     disk_threads: int = 64
     disk_direct: bool = False
     disk_retries: int = 2
+    disk_native_step: bool = True
     disk_dram_cache_mib: int = 0
     cache_mib: int = 0
     cache_profile: Optional[str] = None
