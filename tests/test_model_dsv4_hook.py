@@ -267,8 +267,11 @@ def test_a_context_parallel_slice_is_gathered_as_it_comes(parallel, table, rng):
             got = embeds[L](cp_slice[:, i], fb, cp_all_tokens=True)
             assert got.shape == (6, hash_ids.shape[2], ROW_VALUES)
             assert torch.equal(bf16_bits(got), expected(packed[L], cp_slice[:, i]))
-            # The same shape as the step's column but other ids would be a lookup of a copy:
-            # only the step's own column takes prefetched rows.
+            # Ids of the step column's shape but other contents (not the hasher's own view):
+            # gathered as they come, never the step's prefetched rows.
+            flipped = hash_ids.flip(0)[:, i]
+            got = embeds[L](flipped, fb)
+            assert torch.equal(bf16_bits(got), expected(packed[L], flipped))
         maintenance.between_steps()
         assert runtime.stats()["steps"] == 1
     finally:

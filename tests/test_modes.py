@@ -26,7 +26,8 @@ def test_each_mode_is_one_interval_of_positions(value, span):
 
 @pytest.mark.parametrize("value, says", [
     ("of", "'of'"), ("ON", "'ON'"), (1, "got 1"), (None, "got None"), ({"mode": "prefill"}, "'prefill'"),
-    ({"mode": "window"}, '["from"] must be an integer >= 0, got None'),
+    ({"mode": "window"}, '["from"] must be an integer >= 0 (at most 2**62), got None'),
+    ({"mode": "window", "from": 0, "until": 2**63}, f"got {2**63}"),  # would overflow int64 in the scheduler
     ({"mode": "window", "from": -1}, "got -1"), ({"mode": "window", "from": True}, "got True"),
     ({"mode": "window", "from": 1.5}, "got 1.5"), ({"mode": "window", "from": 0, "until": "9"}, "got '9'"),
     ({"mode": "window", "from": 5, "until": 4}, '"until" (4) must not be below "from" (5)'),
@@ -54,7 +55,9 @@ def tokenized(params, ids=(1, 2, 3, 4), extra_key=None):
 
 
 def test_the_prefix_cache_key_separates_every_pair_of_different_intervals():
-    """Requests whose tokens' KV could differ never share a key; "on" keeps SGLang's own key."""
+    """Requests whose tokens' KV could differ never share a key; the key always begins with
+    the mode, so a user's own extra_key cannot pose as another mode's; a server without modes
+    keeps SGLang's own key."""
     settings = ServeSettings(ablation=True)
     keys = {}
     for value in ("on", "off", "prefill", "decode", {"mode": "window", "from": 1, "until": 3},
@@ -64,8 +67,17 @@ def test_the_prefix_cache_key_separates_every_pair_of_different_intervals():
             modes.check_request(req, settings)
             keys.setdefault(req.extra_key, set()).add(parse_mode(value).span(n))
     assert all(len(spans) == 1 for spans in keys.values()), keys
-    assert {k for k, spans in keys.items() if spans == {(0, END)}} == {"user"}
-    assert all(k.endswith("|user") for k in keys if k != "user")  # SGLang appends a LoRA id after it
+    assert {k for k, spans in keys.items() if spans == {(0, END)}} == {"engram=on|user"}
+    assert all(k.endswith("|user") for k in keys)  # SGLang appends a LoRA id after it
+    posing = tokenized({"engram": "on"}, extra_key="engram=off|")
+    modes.check_request(posing, settings)
+    off = tokenized({"engram": "off"})
+    modes.check_request(off, settings)
+    assert posing.extra_key != off.extra_key == "engram=off|"
+    session = tokenized({"engram": "off"})
+    session.session_params = {"id": "s"}
+    with pytest.raises(ModeError, match="session_params"):
+        modes.check_request(session, settings)
     plain = tokenized(None)
     modes.check_request(plain, ServeSettings())
     assert plain.extra_key is None

@@ -91,28 +91,43 @@ def patch_engram_hasher(module) -> None:
     step, which starts every layer's gather right away. Subclasses with their own forward (our
     Qwen3 family's StepHasher) are not affected."""
 
+    in_breakable_graph = _breakable_graph_probe()  # at start-up: a moved SGLang module fails here, once
+
     def forward(original, self, input_ids, forward_batch, *args, **kwargs):
         hash_ids = original(self, input_ids, forward_batch, *args, **kwargs)
         runtime = runtime_of(self)
         if runtime is not None:
             runtime.begin_step(input_ids, forward_batch.positions, forward_batch, hash_ids=hash_ids,
-                               prefetch=_layers_read_these_ids(runtime, forward_batch))
+                               prefetch=_layers_read_these_ids(runtime, forward_batch, in_breakable_graph))
         return hash_ids
 
     wrap_method(module.EngramHasher, "forward", forward)
 
 
-def _layers_read_these_ids(runtime, forward_batch) -> bool:
+_BREAKABLE_GRAPH = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context"
+
+
+def _breakable_graph_probe():
+    """SGLang's `is_in_breakable_cuda_graph` (whether a prefill graph is being captured or
+    replayed); one line naming the module where this SGLang lacks it."""
+    import importlib
+
+    from ..patching import SGLANG_TESTED, sglang_version
+
+    try:
+        return importlib.import_module(_BREAKABLE_GRAPH).is_in_breakable_cuda_graph
+    except (ImportError, AttributeError) as e:
+        raise EngramError(f"engram-sglang needs {_BREAKABLE_GRAPH}.is_in_breakable_cuda_graph, which SGLang "
+                          f"{sglang_version()} lacks ({e}); it was checked against SGLang {SGLANG_TESTED}") from None
+
+
+def _layers_read_these_ids(runtime, forward_batch, in_breakable_graph) -> bool:
     """Whether the layers will look up the very ids the hasher returned (else a prefetch
     would read rows nobody uses): not in a context-parallel prefill (each rank keeps a slice),
     not in a prefill CUDA graph (the hashing runs eagerly, the lookups were captured), not in
     a capture (the step cannot reach the layers without Python state a replay would skip)."""
-    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
-        is_in_breakable_cuda_graph,
-    )
-
     extend = forward_batch.forward_mode.is_extend()
-    return not (runtime.capturing() or extend and (runtime.context_parallel or is_in_breakable_cuda_graph()))
+    return not (runtime.capturing() or extend and (runtime.context_parallel or in_breakable_graph()))
 
 
 def runtime_of(hasher):
@@ -137,6 +152,7 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
     MODEL_PATH/engram_tables is absent."""
     from ..config import EngramConfig
     from ..serving.graphs import check_capturable
+    from ..serving.modes import modes_in_use
     from ..serving.runtime import EngramRuntime, active_runtimes
     from ..serving.settings import ServeSettings
     from ..tablefile import open_tables
@@ -166,7 +182,18 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
             cfg = open_tables(table_dir).config
         runtime = EngramRuntime(cfg, None, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
         try:
-            check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace)
+            check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
+                             modes=modes_in_use(settings))
+            private = sorted(L for L, s in runtime.stores.items() if not s.node_shared)
+            if tp_size < parallel.tp_size and private:
+                # Each rank would keep a whole private copy: TP x the tables in anonymous memory.
+                raise EngramError(
+                    f"attention data/context parallelism reads whole rows from the node's shared copy, but layer(s) "
+                    f"{private} fell back to a private copy ({settings.shm_dir} has too little free space, see the "
+                    f"warning above): give Docker --shm-size or --ipc=host, or free {settings.shm_dir}")
+            if modes_in_use(settings) and tp_size < parallel.tp_size and parallel.attn_cp_size > 1:
+                raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
+                                  "parallel rank's slice of the prompt: start without attention context parallelism")
         except EngramError:
             runtime.close()
             raise
@@ -192,9 +219,9 @@ def rank_rows(settings, parallel) -> tuple[int, int]:
         raise EngramError(
             f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
             f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
-            f"use --engram-placement host --engram-host-shared on (one copy per node, no collective); placement "
-            f"{settings.placement} with these options shards rows over ranks, which would need every rank's ids "
-            f"per layer (not supported; or drop --engram-table-dir to use upstream's tables)")
+            f"use --engram-placement host --engram-host-shared on --engram-host-whole-rows on (one copy per node, no "
+            f"collective); placement {settings.placement} with these options shards rows over ranks, which would need "
+            f"every rank's ids per layer (not supported)")
     return 0, 1
 
 

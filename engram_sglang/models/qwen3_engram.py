@@ -272,6 +272,7 @@ def _build_runtime(cfg: EngramConfig, settings):
 
     from ..hashing import NgramHasher
     from ..serving.graphs import check_capturable
+    from ..serving.modes import modes_in_use
     from ..serving.runtime import EngramRuntime, resolve_table_dir
 
     try:
@@ -289,7 +290,7 @@ def _build_runtime(cfg: EngramConfig, settings):
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, torch.get_default_device(),
                                 tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
         check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
-                         staged=runtime.staged is not None)
+                         staged=runtime.staged is not None, modes=modes_in_use(settings))
     except EngramError as e:
         # SGLang prints the traceback of a failed scheduler; this line says what to fix.
         logger.error("engram-sglang: %s", e)

@@ -139,8 +139,10 @@ def overlap_scheduling_on() -> bool:
 
 
 def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] = None,
-                     trace: Optional[str] = None, staged: bool = False, overlap: Optional[bool] = None) -> None:
-    """Refuse (EngramError, one line) stores that need host ids, or a step trace, when
+                     trace: Optional[str] = None, staged: bool = False, overlap: Optional[bool] = None,
+                     modes: bool = False) -> None:
+    """Refuse (EngramError, one line) stores that need host ids, a step trace, or Engram
+    modes (`modes`: a token may run with Engram off, which a replay would not apply), when
     SGLang will capture CUDA graphs on this device. `staged` (the runtime stages those
     stores' decode rows before each replay: --engram-disk-graphs) allows decode graphs
     while the overlap scheduler is off (`overlap`: None asks SGLang)."""
@@ -149,7 +151,7 @@ def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] =
     if torch.device(device).type != "cuda":
         return
     host = sorted({s.placement for s in stores if s.needs_host_ids})
-    if host and staged and not trace:
+    if host and staged and not trace and not modes:
         phases = graph_phases_on() if phases is None else list(phases)
         overlap = overlap_scheduling_on() if overlap is None else overlap
         if "decode" in phases and overlap:
@@ -165,6 +167,8 @@ def check_capturable(stores: Iterable, device, phases: Optional[Sequence[str]] =
         why = f"placement {', '.join(host)} reads each step's row ids on the host"
     elif trace:
         why = "--engram-trace writes each step's ids and rows from the host"
+    elif modes:
+        why = "Engram modes (--engram-mode, --engram-ablation) switch Engram off per token on the host"
     else:
         return
     phases = graph_phases_on() if phases is None else list(phases)

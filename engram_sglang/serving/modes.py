@@ -103,8 +103,8 @@ def parse_mode(value: Any) -> Mode:
         if v is None and name == "until":
             bounds[name] = None
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ModeError(f'{where}["{name}"] must be an integer >= 0, got {v!r}')
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= END:
+            raise ModeError(f'{where}["{name}"] must be an integer >= 0 (at most 2**62), got {v!r}')
         bounds[name] = v
     if bounds["until"] is not None and bounds["until"] < bounds["from"]:
         raise ModeError(f'{where}: "until" ({bounds["until"]}) must not be below "from" ({bounds["from"]})')
@@ -138,8 +138,14 @@ def check_request(tokenized, settings) -> None:
     SGLang's radix cache (SGLang appends a LoRA id at its end)."""
     params = getattr(getattr(tokenized, "sampling_params", None), "custom_params", None)
     mode = request_mode(params, server_mode(settings), allowed=settings.ablation)
+    if mode != ON and getattr(tokenized, "session_params", None):
+        # A session's next turn reuses the last turn's KV (computed in that turn's mode) and
+        # its prompt is all turns: neither the key nor the interval would be this request's.
+        raise ModeError(f'sampling_params.custom_params["{PARAM}"] cannot be combined with session_params')
     ids = tokenized.input_ids if tokenized.input_ids is not None else (tokenized.input_embeds or ())
     key = mode.key(len(ids))
+    if key is None and modes_in_use(settings):
+        key = "engram=on"  # the key always begins with the mode: a user's extra_key cannot pose as another
     if key is not None:
         tokenized.extra_key = key + "|" + (tokenized.extra_key or "")
 

@@ -45,6 +45,7 @@ def read_ahead_next_chunk(scheduler, batch) -> int:
         size = getattr(scheduler, "chunked_prefill_size", None)
         if req is None or batch is None or not size or not batch.forward_mode.is_extend():
             return 0
+        from .modes import modes_in_use, request_span, server_mode
         from .runtime import active_runtimes
 
         runtimes = [r for r in active_runtimes() if r.reads_ahead]
@@ -56,7 +57,12 @@ def read_ahead_next_chunk(scheduler, batch) -> int:
         if start is None or end <= start:
             return 0
         for runtime in runtimes:
-            runtime.read_ahead(fill[start:end], history=fill[max(0, start - runtime.hasher.n + 1):start], start=start)
+            lo, hi = start, end
+            if modes_in_use(runtime.settings):  # tokens with Engram off read no rows, ahead or not
+                on_lo, on_hi = request_span(req, server_mode(runtime.settings), runtime.settings.ablation)
+                lo, hi = max(lo, on_lo), min(hi, on_hi)
+            if hi > lo:
+                runtime.read_ahead(fill[lo:hi], history=fill[max(0, lo - runtime.hasher.n + 1):lo], start=lo)
         return end - start
     except Exception:  # noqa: BLE001 - a hint must never fail a batch
         if not _failed_once:

@@ -213,8 +213,11 @@ class EngramRuntime:
         outside it: the prefill graph)."""
         t0 = time.perf_counter()
         step = None if self.capturing() else self._current
-        own = (step is not None and not slice_of_step
-               and step.hash_ids[:, self.layer_index[layer_id]].shape == ids.shape)
+        # The step's own column is the very view the hasher returned (same memory, shape and
+        # strides): ids of the same shape with other contents are gathered as they come.
+        col = step.hash_ids[:, self.layer_index[layer_id]] if step is not None else None
+        own = (col is not None and not slice_of_step and col.shape == ids.shape and col.device == ids.device
+               and col.dtype == ids.dtype and col.data_ptr() == ids.data_ptr() and col.stride() == ids.stride())
         rows = self.rows(step, layer_id, None if own else ids)
         if step is not None:
             step.engram_seconds += time.perf_counter() - t0

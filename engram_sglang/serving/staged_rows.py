@@ -110,6 +110,9 @@ class StagedRows:
         # ids where they are, as the eager step issues them (device ids: the store copies them to
         # pinned memory and its worker waits for that copy; wait() waits for the worker).
         handles = {L: self.stores[L].prefetch(hash_ids[:, i]) for L, i in self.layers.items()} if tokens else {}
+        # Rows up to here may be written below even if a later layer's read raises: the next
+        # step must still zero them (rows past the step are +0.0).
+        self._filled = max(self._filled, tokens)
         try:
             for L, i in self.layers.items():
                 buf = self.buffers[L]

@@ -83,6 +83,7 @@ def open_store(
     dram = split_by_rows(options.pop("dram_cache_bytes", 0),
                          {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()})
     stores: dict[int, TableStore] = {}
+    asked = False  # whether this rank has called `agree` (every rank must, exactly once)
     try:
         for layer_id, info in sorted(tables.layers.items()):
             row_range = shard_range(info.rows, tp_rank, tp_size)
@@ -94,19 +95,24 @@ def open_store(
                 options["whole_rows"] = whole
             store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
             stores[layer_id] = store
-        if tp_size > 1 and any(s.holds_whole_rows for s in stores.values()):
-            everywhere = all(s.holds_whole_rows for s in stores.values())
-            if agree is None or not agree(everywhere):
-                for layer_id, store in stores.items():
-                    store.hold_only(shard_range(store.rows, tp_rank, tp_size))
-        elif tp_size > 1 and agree is not None:
-            agree(False)  # every rank calls it the same number of times
+        agreed = tp_size == 1 and whole
+        if tp_size > 1 and agree is not None:
+            asked = True
+            agreed = agree(bool(stores) and all(s.holds_whole_rows for s in stores.values()))
+        if tp_size > 1 and not agreed:
+            for layer_id, store in stores.items():
+                store.hold_only(shard_range(store.rows, tp_rank, tp_size))
         for store in stores.values():
             logger.info("%s", store.describe())
     except BaseException:
+        if tp_size > 1 and agree is not None and not asked:
+            agree(False)  # the other ranks wait in it: they must not hang on this rank's error
         for store in stores.values():
             store.close()
         raise
+    if tp_size > 1:
+        for store in stores.values():
+            store.agreed_whole = bool(agreed)
     if cache_bytes:
         stores = wrap_stores(stores, cache_bytes, profile=cache_profile, fingerprint=tables.fingerprint,
                              **(cache_options or {}))

@@ -163,7 +163,8 @@ class TableStore(ABC):
     * `reads_ahead`, `read_ahead(ids)` : whether and how rows are read before the step
       that needs them;
     * `holds_whole_rows`, `hold_only(row_range)` : whole rows or a shard, and narrowing
-      whole rows to a shard (when not every rank of a group holds whole rows).
+      whole rows to a shard (when not every rank of a group holds whole rows);
+    * `node_shared` : the rows are the node's one shared copy, not this process's own.
     """
 
     placement: str = "?"
@@ -297,8 +298,20 @@ class TableStore(ABC):
         return None
 
     @property
+    def node_shared(self) -> bool:
+        """Whether the rows are the node's one shared copy (every rank maps it), not this process's."""
+        return False
+
+    # What the tensor-parallel ranks agreed in open_store (True: every rank holds whole rows;
+    # False: shards, summed), so that a shard that happens to span its layer (a layer of one
+    # row) is not taken for whole rows on one rank while the others sum. None: not asked.
+    agreed_whole: Optional[bool] = None
+
+    @property
     def holds_whole_rows(self) -> bool:
         """Whether this store holds every row of the layer (no tensor-parallel sum needed)."""
+        if self.agreed_whole is not None:
+            return self.agreed_whole
         return tuple(self.row_range) == (0, self.rows)
 
     def hold_only(self, row_range: tuple[int, int]) -> None:

@@ -76,6 +76,7 @@ class HotRowCache(TableStore):
                  profile: Optional[str | os.PathLike] = None, fingerprint: Optional[str] = None,
                  sample_factor: float = 100.0, sketch_depth: int = 4):
         super().__init__(inner.layer_id, inner.path, inner.rows, inner.row_range, inner.device, inner.backend)
+        self.agreed_whole = inner.agreed_whole
         self.inner = inner
         self.placement = inner.placement
         self.needs_host_ids = inner.needs_host_ids
@@ -269,6 +270,10 @@ class HotRowCache(TableStore):
     @property
     def reads_ahead(self) -> bool:
         return self.inner.reads_ahead
+
+    @property
+    def node_shared(self) -> bool:
+        return self.inner.node_shared
 
     def read_ahead(self, ids):
         return self.inner.read_ahead(ids)

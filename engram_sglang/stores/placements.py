@@ -113,7 +113,8 @@ class HostStore(_WholeTableStore):
             free = hostmem.shm_free_bytes(shm_dir)
             candidate = copy_spec(self.binding)
             shmcopy.check_kinds(candidate.path)
-            if os.path.lexists(candidate.path) or free >= need:
+            # A fill in progress (another rank's `.tmp`) has taken its memory already: it is this copy's.
+            if os.path.lexists(candidate.path) or free + shmcopy.allocated_bytes(candidate.path) >= need:
                 spec = candidate
             else:
                 logger.warning(
@@ -156,6 +157,10 @@ class HostStore(_WholeTableStore):
     @property
     def resident_bytes(self) -> int:
         return self.memory.nbytes
+
+    @property
+    def node_shared(self) -> bool:
+        return self.shared
 
     def hold_only(self, row_range: tuple[int, int]) -> None:
         """Narrow whole rows to a shard (a peer rank holds only its shard): the mapping and its

@@ -180,10 +180,14 @@ def allocated_bytes(path: Path) -> int:
     """Memory already allocated to the copy at `path` and to fills of it in progress (so a
     rank deciding where its copy goes counts it as its own, not as memory used by others)."""
     total = 0
-    for p in [path, *path.parent.glob(f"{path.name}.tmp.*")]:
+    try:
+        candidates = [path, *path.parent.glob(f"{path.name}.tmp.*")]
+    except OSError:  # not a directory, unreadable: the caller's checks say so in one line
+        return 0
+    for p in candidates:
         try:
             st = os.lstat(p)
-        except FileNotFoundError:
+        except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
             total += st.st_blocks * 512
