@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -68,6 +69,37 @@ ENGRAM_IO_ISA_CLONES inline void decode_rows(const uint8_t* packed, const int64_
             engram::dequant_row_host(packed + local[i] * engram::kRowBytes, o);
         else
             for (int k = 0; k < engram::kRowValues; ++k) o[k] = 0;
+    }
+}
+
+// Positions grouped by staging row: the positions whose local is u are order[start[u] ..
+// start[u + 1]) for u in [0, unique] (u == unique: ids outside the shard). A counting sort.
+inline void group_positions(const int64_t* local, int64_t n, int64_t unique, std::vector<int64_t>& start,
+                            std::vector<int64_t>& order) {
+    start.assign(static_cast<size_t>(unique + 2), 0);
+    order.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) ++start[static_cast<size_t>(local[i] + 1)];
+    for (int64_t u = 0; u <= unique; ++u) start[u + 1] += start[u];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(fill[static_cast<size_t>(local[i])]++)] = i;
+}
+
+// bf16 rows of every position of staging rows units[0..count): the row is decoded once into its
+// first position and copied to the others (the same bits); +0 for u == unique.
+ENGRAM_IO_ISA_CLONES inline void decode_units(const uint8_t* packed, const int64_t* start, const int64_t* order,
+                                              int64_t unique, const int64_t* units, int64_t count, uint16_t* out) {
+    engram::DenormalGuard guard;
+    constexpr size_t kOutRow = engram::kRowValues * sizeof(uint16_t);
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t u = units[k];
+        const int64_t b = start[u], e = start[u + 1];
+        if (b == e) continue;
+        uint16_t* first = out + order[b] * engram::kRowValues;
+        if (u < unique)
+            engram::dequant_row_host(packed + u * engram::kRowBytes, first);
+        else
+            std::memset(first, 0, kOutRow);
+        for (int64_t j = b + 1; j < e; ++j) std::memcpy(out + order[j] * engram::kRowValues, first, kOutRow);
     }
 }
 

@@ -148,12 +148,19 @@ inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot
     return hits;
 }
 
-// DramRowCache.admit of rows[k] (at rows + k * 264) of distinct uncached ids, right after a
-// lookup (never a read-ahead: lookup cleared that flag). All decisions are made on the state
-// before this call's first write, as the vectorized Python does. Returns the rows admitted.
-inline int64_t admit(DramCache& c, const int64_t* ids, int64_t n, const uint8_t* rows, int64_t row_bytes) {
+// One admission decided, not yet written: slot <- the src'th id (and row) of the call.
+struct AdmitPick {
+    int64_t slot, src;
+    uint8_t count;
+};
+
+// DramRowCache.admit's decisions for distinct uncached ids, right after a lookup (never a
+// read-ahead: lookup cleared that flag), made on the state before any write as the vectorized
+// Python does. Writes nothing (so the disk step decides while its reads are in flight, and a
+// step whose reads fail admits nothing): admit_commit writes them. Returns the rejections.
+inline int64_t admit_plan(const DramCache& c, const int64_t* ids, int64_t n, std::vector<AdmitPick>& picks) {
+    picks.clear();
     const bool ahead = c.state[kAhead] != 0;
-    c.state[kAhead] = 0;
     if (n == 0) return 0;
     const int64_t clock = c.state[kClock];
     const bool frequency = c.frequency != 0;
@@ -172,11 +179,6 @@ inline int64_t admit(DramCache& c, const int64_t* ids, int64_t n, const uint8_t*
         });
     else
         std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sets[a] < sets[b]; });
-    struct Pick {
-        int64_t slot, src;
-        uint8_t count;
-    };
-    std::vector<Pick> picks;
     picks.reserve(static_cast<size_t>(n));
     std::vector<int64_t> key(static_cast<size_t>(c.ways)), by_age(static_cast<size_t>(c.ways));
     int64_t rejected = 0;
@@ -212,15 +214,31 @@ inline int64_t admit(DramCache& c, const int64_t* ids, int64_t n, const uint8_t*
         }
         k = end;
     }
-    for (const Pick& p : picks) {
+    return rejected;
+}
+
+// Writes admit_plan's picks: the src'th row is at row(src) (264 bytes). Returns the rows admitted.
+template <class Row>
+inline int64_t admit_commit(DramCache& c, const int64_t* ids, const std::vector<AdmitPick>& picks, int64_t rejected,
+                            int64_t row_bytes, Row row) {
+    c.state[kAhead] = 0;
+    const int64_t clock = c.state[kClock];
+    for (const AdmitPick& p : picks) {
         c.tags[p.slot] = ids[p.src];
         c.last[p.slot] = clock;
-        if (frequency) c.count[p.slot] = p.count;
-        std::memcpy(c.rows + p.slot * row_bytes, rows + p.src * row_bytes, static_cast<size_t>(row_bytes));
+        if (c.frequency) c.count[p.slot] = p.count;
+        std::memcpy(c.rows + p.slot * row_bytes, row(p.src), static_cast<size_t>(row_bytes));
     }
     c.state[kRejected] += rejected;
     c.state[kAdmitted] += static_cast<int64_t>(picks.size());
     return static_cast<int64_t>(picks.size());
+}
+
+// DramRowCache.admit of rows[k] (at rows + k * 264) of distinct uncached ids, right after a lookup.
+inline int64_t admit(DramCache& c, const int64_t* ids, int64_t n, const uint8_t* rows, int64_t row_bytes) {
+    std::vector<AdmitPick> picks;
+    const int64_t rejected = admit_plan(c, ids, n, picks);
+    return admit_commit(c, ids, picks, rejected, row_bytes, [&](int64_t src) { return rows + src * row_bytes; });
 }
 
 }  // namespace engram_io

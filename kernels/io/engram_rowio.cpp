@@ -285,6 +285,154 @@ std::vector<Extent> merge_extents(int64_t data_offset, const int64_t* rows, int6
     return out;
 }
 
+
+// The calling thread's AIO context (one per thread: a store reads from one thread at a time).
+AioState& aio_state() {
+    static thread_local AioState state;
+    return state;
+}
+
+// Reads of ascending rows of an O_DIRECT file by native AIO, `depth` in flight, driven by the
+// caller: start() submits the first reads and returns, pump() reaps what completed, copies
+// its rows, calls done(first, last) for the request's rows [first, last) now in place, and
+// submits more. The disk step issues its misses first and does its other work between pumps.
+class AioReads {
+  public:
+    int error = 0;       // errno of a failed read, -1 short read (the file ends early)
+    int64_t failed = -1;  // smallest index of a row that failed
+
+    // 0, or -2 (kStepAioUnavailable) when native AIO is unavailable here. Row i lands at
+    // out + (where ? where[i] : i) * 264.
+    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
+              int depth) {
+        st_ = &aio_state();
+        depth = std::max(1, std::min(depth, kMaxDepth));
+        if (!st_->ready(depth)) return -2;
+        fd_ = fd;
+        data_offset_ = data_offset;
+        rows_ = rows;
+        out_ = out;
+        where_ = where;
+        extents_ = merge_extents(data_offset, rows, n);
+        cbs_.resize(static_cast<size_t>(st_->depth));
+        queue_.resize(static_cast<size_t>(st_->depth));
+        events_.resize(static_cast<size_t>(st_->depth));
+        free_slots_.clear();
+        for (int k = st_->depth - 1; k >= 0; --k) free_slots_.push_back(k);
+        next_ = 0;
+        in_flight_ = 0;
+        error = 0;
+        failed = -1;
+        submit();
+        return 0;
+    }
+
+    // Reads not finished (in flight, or not yet submitted while none failed).
+    bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
+
+    // Reaps completed reads (with `wait`, blocks until at least one completes), then submits
+    // more. Returns busy().
+    template <class Done>
+    bool pump(bool wait, Done&& done) {
+        if (in_flight_ == 0) {
+            submit();
+            if (in_flight_ == 0) return false;  // a submission failed with nothing in flight
+        }
+        struct timespec zero = {0, 0};
+        const long got = syscall(SYS_io_getevents, st_->ctx, wait ? 1 : 0, in_flight_, events_.data(),
+                                 wait ? nullptr : &zero);
+        if (got < 0) {
+            if (errno == EINTR) return true;
+            error = errno;  // cannot reap: the context is unusable from here on
+            st_->depth = 0;
+            failed = 0;
+            in_flight_ = 0;
+            next_ = extents_.size();
+            return false;
+        }
+        for (long k = 0; k < got; ++k) {
+            const io_event& ev = events_[static_cast<size_t>(k)];
+            const int slot = static_cast<int>(ev.data & 0xFFFF);
+            const Extent& e = extents_[ev.data >> 16];
+            --in_flight_;
+            free_slots_.push_back(slot);
+            const uint8_t* buf = st_->buffers + static_cast<int64_t>(slot) * kMaxExtent;
+            if (ev.res < 0) {
+                if (error == 0) error = static_cast<int>(-ev.res);
+                if (failed < 0 || e.first < failed) failed = e.first;
+                continue;
+            }
+            int64_t i = e.first;
+            for (; i < e.last; ++i) {
+                const int64_t at = data_offset_ + rows_[i] * kRowBytes - e.start;
+                if (at + kRowBytes > static_cast<int64_t>(ev.res)) {  // the file ends early
+                    if (error == 0) error = -1;
+                    if (failed < 0 || i < failed) failed = i;
+                    break;
+                }
+                memcpy(out_ + (where_ != nullptr ? where_[i] : i) * kRowBytes, buf + at, kRowBytes);
+            }
+            if (i > e.first) done(e.first, i);
+        }
+        submit();
+        return busy();
+    }
+
+  private:
+    // Fills the free slots with the next extents, in as few io_submit calls as the kernel takes.
+    void submit() {
+        int batch = 0;
+        while (error == 0 && next_ < extents_.size() && !free_slots_.empty()) {
+            const int slot = free_slots_.back();
+            free_slots_.pop_back();
+            iocb& cb = cbs_[static_cast<size_t>(slot)];
+            memset(&cb, 0, sizeof cb);
+            cb.aio_data = (static_cast<uint64_t>(next_) << 16) | static_cast<uint64_t>(slot);
+            cb.aio_lio_opcode = IOCB_CMD_PREAD;
+            cb.aio_fildes = static_cast<uint32_t>(fd_);
+            cb.aio_buf = reinterpret_cast<uint64_t>(st_->buffers + static_cast<int64_t>(slot) * kMaxExtent);
+            cb.aio_nbytes = static_cast<uint64_t>(extents_[next_].length);
+            cb.aio_offset = extents_[next_].start;
+            queue_[static_cast<size_t>(batch++)] = &cb;
+            ++next_;
+        }
+        for (int done = 0; done < batch;) {
+            const long r = syscall(SYS_io_submit, st_->ctx, batch - done, queue_.data() + done);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                // Not submitted: give those slots back. EAGAIN while reads are in flight means
+                // the kernel is out of request slots for now: reap, then submit the rest again
+                // (spinning on io_submit would never free any). Anything else is reported.
+                const bool later = errno == EAGAIN && in_flight_ > 0;
+                if (!later) error = errno;
+                for (int k = done; k < batch; ++k) {
+                    const uint64_t data = queue_[static_cast<size_t>(k)]->aio_data;
+                    free_slots_.push_back(static_cast<int>(data & 0xFFFF));
+                    if (!later && failed < 0) failed = extents_[data >> 16].first;
+                }
+                if (later) next_ -= static_cast<size_t>(batch - done);  // extents were handed out in order
+                break;
+            }
+            done += static_cast<int>(r);
+            in_flight_ += static_cast<int>(r);
+        }
+    }
+
+    AioState* st_ = nullptr;
+    int fd_ = -1;
+    int64_t data_offset_ = 0;
+    const int64_t* rows_ = nullptr;
+    uint8_t* out_ = nullptr;
+    const int64_t* where_ = nullptr;
+    std::vector<Extent> extents_;
+    std::vector<iocb> cbs_;
+    std::vector<iocb*> queue_;
+    std::vector<io_event> events_;
+    std::vector<int> free_slots_;
+    size_t next_ = 0;
+    int in_flight_ = 0;
+};
+
 }  // namespace
 
 extern "C" {
@@ -357,86 +505,12 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
                      int64_t* failed) {
     *failed = -1;
     if (n == 0) return 0;
-    static thread_local AioState state;
-    depth = std::max(1, std::min(depth, kMaxDepth));
-    if (!state.ready(depth)) return -2;
-    const std::vector<Extent> extents = merge_extents(data_offset, rows, n);
-    std::vector<iocb> cbs(static_cast<size_t>(state.depth));
-    std::vector<iocb*> submit(static_cast<size_t>(state.depth));
-    std::vector<io_event> events(static_cast<size_t>(state.depth));
-    std::vector<int> free_slots;
-    for (int k = state.depth - 1; k >= 0; --k) free_slots.push_back(k);
-    size_t next = 0;
-    int in_flight = 0, error = 0;
-    while (next < extents.size() || in_flight > 0) {
-        int batch = 0;
-        while (error == 0 && next < extents.size() && !free_slots.empty()) {
-            const int slot = free_slots.back();
-            free_slots.pop_back();
-            iocb& cb = cbs[static_cast<size_t>(slot)];
-            memset(&cb, 0, sizeof cb);
-            cb.aio_data = (static_cast<uint64_t>(next) << 16) | static_cast<uint64_t>(slot);
-            cb.aio_lio_opcode = IOCB_CMD_PREAD;
-            cb.aio_fildes = static_cast<uint32_t>(fd);
-            cb.aio_buf = reinterpret_cast<uint64_t>(state.buffers + static_cast<int64_t>(slot) * kMaxExtent);
-            cb.aio_nbytes = static_cast<uint64_t>(extents[next].length);
-            cb.aio_offset = extents[next].start;
-            submit[static_cast<size_t>(batch++)] = &cb;
-            ++next;
-        }
-        for (int done = 0; done < batch;) {
-            const long r = syscall(SYS_io_submit, state.ctx, batch - done, submit.data() + done);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                // Not submitted: give those slots back. EAGAIN while reads are in flight means
-                // the kernel is out of request slots for now: reap, then submit the rest again
-                // (spinning on io_submit would never free any). Anything else is reported.
-                const bool later = errno == EAGAIN && in_flight > 0;
-                if (!later) error = errno;
-                for (int k = done; k < batch; ++k) {
-                    const uint64_t data = submit[static_cast<size_t>(k)]->aio_data;
-                    free_slots.push_back(static_cast<int>(data & 0xFFFF));
-                    if (!later && *failed < 0) *failed = extents[data >> 16].first;
-                }
-                if (later) next -= static_cast<size_t>(batch - done);  // extents were handed out in order
-                break;
-            }
-            done += static_cast<int>(r);
-            in_flight += static_cast<int>(r);
-        }
-        if (in_flight == 0) break;
-        const long got = syscall(SYS_io_getevents, state.ctx, 1, in_flight, events.data(), nullptr);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            error = errno;  // cannot reap: the context is unusable from here on
-            state.depth = 0;
-            *failed = 0;
-            return error;
-        }
-        for (long k = 0; k < got; ++k) {
-            const io_event& ev = events[static_cast<size_t>(k)];
-            const int slot = static_cast<int>(ev.data & 0xFFFF);
-            const Extent& e = extents[ev.data >> 16];
-            --in_flight;
-            free_slots.push_back(slot);
-            const uint8_t* buf = state.buffers + static_cast<int64_t>(slot) * kMaxExtent;
-            if (ev.res < 0) {
-                if (error == 0) error = static_cast<int>(-ev.res);
-                if (*failed < 0 || e.first < *failed) *failed = e.first;
-                continue;
-            }
-            for (int64_t i = e.first; i < e.last; ++i) {
-                const int64_t at = data_offset + rows[i] * kRowBytes - e.start;
-                if (at + kRowBytes > static_cast<int64_t>(ev.res)) {  // the file ends early
-                    if (error == 0) error = -1;
-                    if (*failed < 0 || i < *failed) *failed = i;
-                    break;
-                }
-                memcpy(out + i * kRowBytes, buf + at, kRowBytes);
-            }
-        }
+    AioReads reads;
+    if (reads.start(fd, data_offset, rows, n, out, nullptr, depth) != 0) return -2;
+    while (reads.pump(true, [](int64_t, int64_t) {})) {
     }
-    return error;
+    *failed = reads.failed;
+    return reads.error;
 }
 
 }  // extern "C"
@@ -485,47 +559,130 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
         return kStepBadArgument;
     const int64_t unique = dedupe(ids, n, file->lo, file->hi, wanted, local);
     result->unique = unique;
-    // Hits copied, misses listed (positions in wanted). Every row is a miss without a cache.
-    static thread_local std::vector<int64_t> slot, miss_ids;
+    static thread_local std::vector<int64_t> slot, miss_ids, hit_units, start, order;
     static thread_local std::vector<uint8_t> miss_rows;
+    static thread_local std::vector<AdmitPick> picks;
     slot.resize(static_cast<size_t>(unique));
     if (cache != nullptr && unique > 0) {
         lookup(*cache, wanted, unique, slot.data());
     } else {
         std::fill(slot.begin(), slot.end(), -1);
     }
+    // Misses listed (positions in wanted) before anything else, so their reads go out first.
     int64_t m = 0;
     miss_ids.resize(static_cast<size_t>(unique));
+    hit_units.clear();
     for (int64_t i = 0; i < unique; ++i) {
-        if (i + kPrefetchIds < unique && slot[i + kPrefetchIds] >= 0)
-            prefetch_lines(cache->rows + slot[i + kPrefetchIds] * kRowBytes, kRowBytes);
-        if (slot[i] >= 0) {
-            memcpy(packed + i * kRowBytes, cache->rows + slot[i] * kRowBytes, kRowBytes);
-        } else {
+        if (slot[i] < 0) {
             missed[m] = i;
             miss_ids[static_cast<size_t>(m++)] = wanted[i];
+        } else {
+            hit_units.push_back(i);
         }
     }
     result->misses = m;
-    if (file->mode == kReadNone && m > 0) return kStepUnread;
-    miss_rows.resize(static_cast<size_t>(std::max<int64_t>(m, 1) * kRowBytes));
-    int64_t failed = -1;
-    const int err = read_misses(*file, miss_ids.data(), m, miss_rows.data(), &failed);
-    if (err != 0) {
-        result->error = err == kStepAioUnavailable ? 0 : err;
-        result->failed = failed;
-        return err == kStepAioUnavailable ? kStepAioUnavailable : kStepUnread;
-    }
-    for (int64_t k = 0; k < m; ++k) memcpy(packed + missed[k] * kRowBytes, miss_rows.data() + k * kRowBytes, kRowBytes);
-    if (cache != nullptr) admit(*cache, miss_ids.data(), m, miss_rows.data(), kRowBytes);
-    if (rows_out != nullptr && n > 0) {
-        int threads = decode_threads > 0 ? decode_threads : default_decode_threads();
-        if (n < kDecodeSerial) threads = 1;
-        const int64_t tasks = (n + kDecodeGrain - 1) / kDecodeGrain;
+    const int64_t hits = static_cast<int64_t>(hit_units.size());
+    auto copy_hits = [&](int64_t b, int64_t e) {
+        for (int64_t k = b; k < e; ++k) {
+            if (k + kPrefetchIds < hits)
+                prefetch_lines(cache->rows + slot[hit_units[k + kPrefetchIds]] * kRowBytes, kRowBytes);
+            const int64_t i = hit_units[k];
+            memcpy(packed + i * kRowBytes, cache->rows + slot[i] * kRowBytes, kRowBytes);
+        }
+    };
+    int threads = decode_threads > 0 ? decode_threads : default_decode_threads();
+    if (n < kDecodeSerial) threads = 1;
+    const int64_t tasks = (n + kDecodeGrain - 1) / kDecodeGrain;
+    auto decode_all = [&] {
         pool().run(threads, tasks, [&](int64_t t) {
             decode_rows(packed, local, unique, t * kDecodeGrain, std::min(n, (t + 1) * kDecodeGrain), rows_out);
         });
+    };
+
+    if (file->mode != kReadAio || m == 0) {  // all cached, or reads that block: one phase after another
+        copy_hits(0, hits);
+        if (file->mode == kReadNone && m > 0) return kStepUnread;
+        miss_rows.resize(static_cast<size_t>(std::max<int64_t>(m, 1) * kRowBytes));
+        int64_t failed = -1;
+        const int err = read_misses(*file, miss_ids.data(), m, miss_rows.data(), &failed);
+        if (err != 0) {
+            result->error = err == kStepAioUnavailable ? 0 : err;
+            result->failed = failed;
+            return err == kStepAioUnavailable ? kStepAioUnavailable : kStepUnread;
+        }
+        for (int64_t k = 0; k < m; ++k)
+            memcpy(packed + missed[k] * kRowBytes, miss_rows.data() + k * kRowBytes, kRowBytes);
+        if (cache != nullptr) admit(*cache, miss_ids.data(), m, miss_rows.data(), kRowBytes);
+        if (rows_out != nullptr && n > 0) decode_all();
+        return kStepOk;
     }
+
+    // Native AIO: every miss's read is issued first (up to the depth in flight, refilled as they
+    // complete); the hits' copies, the admission decisions and the hits' decode run while they
+    // are in flight, each completed row is decoded as it lands, and only the admission's writes
+    // wait for the last read (a failed step admits nothing). The policy sees the same state in
+    // the same order as before: lookup, then admission decided on the state after every lookup.
+    struct stat st;
+    if (fstat(file->fd, &st) != 0) {
+        result->error = errno;
+        copy_hits(0, hits);
+        return kStepUnread;
+    }
+    if (file->data_offset + (miss_ids[m - 1] + 1) * kRowBytes > static_cast<int64_t>(st.st_size)) {  // truncated
+        copy_hits(0, hits);
+        result->error = -1;
+        result->failed = m - 1;
+        return kStepUnread;
+    }
+    AioReads reads;
+    if (reads.start(file->fd, file->data_offset, miss_ids.data(), m, packed, missed, file->threads) != 0) {
+        copy_hits(0, hits);
+        return kStepAioUnavailable;
+    }
+    const bool decode = rows_out != nullptr;
+    if (decode) group_positions(local, n, unique, start, order);
+    auto landed = [&](int64_t first, int64_t last) {  // misses [first, last) are in packed
+        if (decode) decode_units(packed, start.data(), order.data(), unique, missed + first, last - first, rows_out);
+    };
+    constexpr int64_t kChunk = 64;  // rows of other work between looks at the completions
+    for (int64_t k = 0; k < hits; k += kChunk) {
+        copy_hits(k, std::min(hits, k + kChunk));
+        reads.pump(false, landed);
+    }
+    int64_t rejected = 0;
+    if (cache != nullptr) {
+        rejected = admit_plan(*cache, miss_ids.data(), m, picks);
+        reads.pump(false, landed);
+    }
+    if (decode) {
+        hit_units.push_back(unique);  // the positions outside the shard (+0) decode now too
+        const int64_t units = static_cast<int64_t>(hit_units.size());
+        int64_t k = 0;
+        for (; k < units && reads.busy(); k += kChunk / 4) {
+            decode_units(packed, start.data(), order.data(), unique, hit_units.data() + k,
+                         std::min(units, k + kChunk / 4) - k, rows_out);
+            reads.pump(false, landed);
+        }
+        if (k < units) {  // the reads are done: the rest on every thread
+            // Pointers, not the thread_local vectors: a pool thread names its own, empty ones.
+            const int64_t rest = units - k, grain = 16;
+            const int64_t *at = start.data(), *by = order.data(), *todo = hit_units.data();
+            pool().run(threads, (rest + grain - 1) / grain, [&](int64_t t) {
+                const int64_t b = k + t * grain;
+                decode_units(packed, at, by, unique, todo + b, std::min(units, b + grain) - b, rows_out);
+            });
+        }
+    }
+    while (reads.pump(true, landed)) {
+    }
+    if (reads.error != 0) {
+        result->error = reads.error;
+        result->failed = reads.failed;
+        return kStepUnread;
+    }
+    if (cache != nullptr)
+        admit_commit(*cache, miss_ids.data(), picks, rejected, kRowBytes,
+                     [&](int64_t src) { return packed + missed[src] * kRowBytes; });
     return kStepOk;
 }
 
