@@ -36,8 +36,9 @@ HOST_LIBS = {
     "libengram_io.so": ("io/engram_rowio.cpp", "ENGRAM_IO_CXXFLAGS"),
 }
 # What the host builds read: their sources, the shared decode header, the flags.
-HOST_SOURCES = ("cpu/engram_gather.cpp", "common/engram_gather.h", "common/engram_denormals.h",
-                "io/engram_rowio.cpp", "io/engram_disk_step.h", "io/engram_dram_policy.h", "host-flags.mk")
+HOST_SOURCES = ("cpu/engram_gather.cpp", "cpu/engram_decode_avx512.h", "common/engram_gather.h",
+                "common/engram_denormals.h", "io/engram_rowio.cpp", "io/engram_disk_step.h",
+                "io/engram_dram_policy.h", "io/engram_uring.h", "host-flags.mk")
 
 
 class NativeLibraryError(RuntimeError):

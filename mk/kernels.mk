@@ -85,7 +85,8 @@ kernels-hip: kernels-toolchain
 		echo "kernels: $(HIPCXX) or ROCm device libraries missing: skipping the HIP build (its tests skip)"; \
 	fi
 
-$(CPU_LIB): kernels/cpu/engram_gather.cpp $(KERNEL_COMMON) kernels/common/engram_denormals.h kernels/host-flags.mk mk/kernels.mk
+$(CPU_LIB): kernels/cpu/engram_gather.cpp kernels/cpu/engram_decode_avx512.h $(KERNEL_COMMON) \
+		kernels/common/engram_denormals.h kernels/host-flags.mk mk/kernels.mk
 	@mkdir -p $(@D)
 	$(CXX) $(KERNEL_CXXFLAGS) -shared -o $@ $<
 

@@ -224,6 +224,59 @@ def test_row_range_zeros_and_shard_sum(backend, rng):
     assert (empty.view(torch.int16) == 0).all()
 
 
+HOST_PORTABLE = 5  # kernels/cpu's portable row decode (CPUs without AVX-512 VBMI)
+
+
+def mixed_block_rows(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose 8 blocks each draw one of five kinds, so one row mixes the AVX-512 decode's
+    fast pass with its per-block exact fallback, in every pairing of neighbours (the fast pass
+    works on two blocks at once): 0 plain scale (10..246) and ordinary codes, 1 plain scale
+    and fp8 subnormals (fast: exact in bf16), 2 plain scale with a zero or NaN code somewhere
+    (fallback), 3 a scale byte outside 10..246 (fallback: denormal, overflow or NaN products),
+    4 the plain range's edge bytes 10 and 246 (fast). Random codes at random positions."""
+    kinds = torch.randint(0, 5, (n, 8), generator=gen)
+    kinds[:16] = torch.tensor([[a, b] * 4 for a in range(4) for b in range(4)])  # every neighbour pair
+    payload = torch.randint(0, 256, (n, 8, 32), dtype=torch.uint8, generator=gen)
+    em = payload & 0x7F
+    ordinary = (em >= 8) & (em <= 0x7E)
+    payload = torch.where(ordinary | (kinds[..., None] == 3), payload, payload | 0x40)  # no zero/NaN yet
+    payload[((payload & 0x7F) == 0x7F) & (kinds[..., None] != 3)] = 0x42
+    sub = torch.randint(1, 8, (n, 8, 32), dtype=torch.uint8, generator=gen) | (payload & 0x80)
+    pick = torch.rand((n, 8, 32), generator=gen) < 0.3
+    payload = torch.where((kinds[..., None] == 1) & pick, sub, payload)
+    special = torch.tensor([0x00, 0x80, 0x7F, 0xFF], dtype=torch.uint8)
+    where = torch.randint(0, 32, (n, 8), generator=gen)
+    what = special[torch.randint(0, 4, (n, 8), generator=gen)]
+    rows_, blocks = torch.nonzero(kinds == 2, as_tuple=True)
+    payload[rows_, blocks, where[rows_, blocks]] = what[rows_, blocks]
+    scales = torch.randint(10, 247, (n, 8), dtype=torch.uint8, generator=gen)
+    unsafe = torch.cat([torch.arange(0, 10), torch.arange(247, 256)]).to(torch.uint8)
+    scales = torch.where(kinds == 3, unsafe[torch.randint(0, len(unsafe), (n, 8), generator=gen)], scales)
+    edge = torch.tensor([10, 246], dtype=torch.uint8)[torch.randint(0, 2, (n, 8), generator=gen)]
+    scales = torch.where(kinds == 4, edge, scales)
+    return torch.cat([payload.reshape(n, 256), scales], dim=1).contiguous()
+
+
+def test_host_decode_fast_and_fallback_blocks_in_one_row(rng):
+    """The production host decode (AVX-512 where the CPU has VBMI: a fast pass per pair of
+    blocks, the exact path for blocks it cannot take) and the portable decode, bit for bit
+    against the oracle, on rows mixing both kinds of block."""
+    lib = cpu_lib()
+    t = mixed_block_rows(3000, rng)
+    ids = torch.cat([torch.arange(t.shape[0]), torch.randint(0, t.shape[0], (2000,), generator=rng)])
+    want = expected_bits(t, ids, 0, t.shape[0])
+    out = torch.empty((ids.numel(), 256), dtype=torch.bfloat16)
+    for threads in (1, 2):
+        lib.gather(t.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, t.shape[0], out.data_ptr(), threads)
+        assert torch.equal(bits_of(out), want), threads
+    assert torch.equal(bits_of(run_emulated(t, ids, 0, t.shape[0], HOST_PORTABLE)), want)
+    # The exhaustive table through the portable decode too (production runs it in the tests above).
+    ex = exhaustive_table()
+    ex_ids = torch.arange(ex.shape[0]).int()
+    assert torch.equal(bits_of(run_emulated(ex, ex_ids, 0, ex.shape[0], HOST_PORTABLE)),
+                       expected_bits(ex, ex_ids, 0, ex.shape[0]))
+
+
 def test_host_library_threads_agree(rng):
     lib = cpu_lib()
     t = exhaustive_table(extra_rows=1000, gen=rng)

@@ -241,6 +241,24 @@ ENGRAM_HD bool any_fp8_subnormal(const uint8_t* __restrict__ in, int n) {
     return any != 0;
 }
 
+// One block of 32 values under scale byte e, host form: the plain shortcut where it applies,
+// the general path otherwise. Also the exact fallback of kernels/cpu's AVX-512 row decode.
+ENGRAM_HD void dequant_block_host(const uint8_t* __restrict__ in, uint32_t e, uint16_t* __restrict__ o) {
+    if (plain_scale(e)) {
+        const uint16_t k16 = static_cast<uint16_t>((e - 127u) << 7);
+        if (!any_fp8_subnormal(in, kBlockValues)) {
+            const uint16_t kn16 = static_cast<uint16_t>(0x3C00u + k16);
+            for (int i = 0; i < kBlockValues; ++i) o[i] = dequant_plain_normal(in[i], kn16);
+        } else {
+            for (int i = 0; i < kBlockValues; ++i) o[i] = dequant_plain(in[i], k16);
+        }
+    } else {
+        const float scale = e8m0_to_f32(e);
+        for (int i = 0; i < kBlockValues; ++i)
+            o[i] = static_cast<uint16_t>(dequant_value(e4m3fn_to_f32(in[i]), scale));
+    }
+}
+
 // The host library's row decode. Rows whose scales are all plain and whose payload holds no
 // fp8 subnormal (nearly every row of a real table) take one straight pass; other rows go
 // block by block: the plain shortcut where it applies, the general path otherwise.
@@ -255,24 +273,8 @@ ENGRAM_HD void dequant_row_host(const uint8_t* __restrict__ row, uint16_t* __res
         }
         return;
     }
-    for (int k = 0; k < kRowScales; ++k) {
-        const uint32_t e = row[kRowValues + k];
-        const uint8_t* in = row + k * kBlockValues;
-        uint16_t* o = out + k * kBlockValues;
-        if (plain_scale(e)) {
-            const uint16_t k16 = static_cast<uint16_t>((e - 127u) << 7);
-            if (!any_fp8_subnormal(in, kBlockValues)) {
-                const uint16_t kn16 = static_cast<uint16_t>(0x3C00u + k16);
-                for (int i = 0; i < kBlockValues; ++i) o[i] = dequant_plain_normal(in[i], kn16);
-            } else {
-                for (int i = 0; i < kBlockValues; ++i) o[i] = dequant_plain(in[i], k16);
-            }
-        } else {
-            const float scale = e8m0_to_f32(e);
-            for (int i = 0; i < kBlockValues; ++i)
-                o[i] = static_cast<uint16_t>(dequant_value(e4m3fn_to_f32(in[i]), scale));
-        }
-    }
+    for (int k = 0; k < kRowScales; ++k)
+        dequant_block_host(row + k * kBlockValues, row[kRowValues + k], out + k * kBlockValues);
 }
 
 // Device form: 8 values (two little-endian words of one 8-byte load) sharing one scale ->

@@ -20,6 +20,7 @@
 
 #include "../common/engram_denormals.h"
 #include "../common/engram_gather.h"
+#include "engram_decode_avx512.h"
 
 namespace {
 
@@ -41,12 +42,23 @@ struct Job {
 // What the test hook can run besides production, to check on the host the logic the GPU
 // launchers run (with only their conversion instruction replaced by its software twin).
 enum Decoder : int {
-    kHostSoft = 0,        // production: dequant_row_host
+    kHostSoft = 0,        // production: dequant_row_avx512 where the CPU has VBMI, else kHostPortable
     kHostFnuz = 1,        // host form, gfx942's fnuz decode + fix-up
     kDeviceSoft = 2,      // device form (gather_dequant_rows) thread by thread, OCP decode
     kDeviceFnuz = 3,      // device form with gfx942's fnuz decode + fix-up
     kRawRows = 4,         // no decode: the packed rows themselves (bench/gather.py's limit)
+    kHostPortable = 5,    // dequant_row_host in the ISA clones below (CPUs without AVX-512 VBMI)
 };
+
+#if ENGRAM_HAVE_AVX512_DECODE
+const bool g_avx512_decode = engram::avx512_decode_supported();
+#else
+constexpr bool g_avx512_decode = false;
+#endif
+
+// Row decoder tags for rows_body besides the Decoder types of engram_gather.h.
+struct PortableRows {};  // dequant_row_host, vectorized by the compiler for the clone's ISA
+struct Avx512Rows {};    // dequant_row_avx512
 
 // The GPU launchers' launch shape, emulated block by block.
 constexpr int kEmuBlockThreads = 256;
@@ -75,12 +87,11 @@ inline int64_t id_at(const Job& j, int64_t r) {
     return static_cast<int64_t>(static_cast<const IdT*>(j.ids)[r]);
 }
 
-// Decoder void: the production decode (dequant_row_host); else that decoder's general path.
+// Decoder PortableRows or Avx512Rows: a host row decode; else that decoder's general path.
 // Always inlined: each ISA clone below must hold its own copy of the loop (a called body is
 // compiled once, for the baseline ISA, and the clones would only jump to it).
 template <class Decoder, typename IdT>
 inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin, int64_t end) {
-    constexpr bool kProduction = std::is_void<Decoder>::value;
     for (int64_t r = begin; r < end; ++r) {
         if (r + kPrefetchAhead < end) {
             const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
@@ -94,8 +105,12 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
         uint16_t* o = j.out + r * kRowValues;
         if (engram::id_in_range(id, j.lo, j.hi)) {
             const uint8_t* row = j.table + (id - j.lo) * kRowBytes;
-            if constexpr (kProduction)
+            if constexpr (std::is_same<Decoder, PortableRows>::value)
                 engram::dequant_row_host(row, o);
+#if ENGRAM_HAVE_AVX512_DECODE
+            else if constexpr (std::is_same<Decoder, Avx512Rows>::value)
+                engram::dequant_row_avx512(row, o);
+#endif
             else
                 engram::dequant_row<Decoder>(row, o);
         } else {
@@ -104,8 +119,10 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
     }
 }
 
-// The production loop, cloned per x86 ISA level so the decode vectorizes 8 or 16 wide
-// without building the library for one CPU.
+// The portable loop, cloned per x86 ISA level so the decode vectorizes 8 or 16 wide
+// without building the library for one CPU. CPUs with AVX-512 VBMI take rows_avx512 instead,
+// whose decode is written for that ISA (engram_decode_avx512.h); AVX2-only CPUs keep the
+// x86-64-v3 clone here.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ENGRAM_ISA_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
@@ -113,10 +130,22 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
 #endif
 
 ENGRAM_ISA_CLONES void rows_soft_i32(const Job& j, int64_t b, int64_t e) {
-    rows_body<void, int32_t>(j, b, e);
+    rows_body<PortableRows, int32_t>(j, b, e);
 }
 ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
-    rows_body<void, int64_t>(j, b, e);
+    rows_body<PortableRows, int64_t>(j, b, e);
+}
+
+// The production decode: the AVX-512 row decode where the CPU has it.
+template <typename IdT>
+void rows_production(const Job& j, int64_t b, int64_t e) {
+#if ENGRAM_HAVE_AVX512_DECODE
+    if (g_avx512_decode) return rows_body<Avx512Rows, IdT>(j, b, e);
+#endif
+    if constexpr (std::is_same<IdT, int32_t>::value)
+        rows_soft_i32(j, b, e);
+    else
+        rows_soft_i64(j, b, e);
 }
 
 // The same loop (ids, prefetch, threads) copying each packed row as it is: what a gather of
@@ -146,6 +175,8 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
     const bool i32 = j.id_bytes == 4;
     switch (j.decoder) {
         case kHostSoft:
+            return i32 ? rows_production<int32_t>(j, begin, end) : rows_production<int64_t>(j, begin, end);
+        case kHostPortable:
             return i32 ? rows_soft_i32(j, begin, end) : rows_soft_i64(j, begin, end);
         case kHostFnuz:
             return i32 ? rows_body<engram::EmulatedFnuzAsFn, int32_t>(j, begin, end)
@@ -295,6 +326,10 @@ int engram_cpu_abi_version(void) { return 1; }
 
 int engram_cpu_default_threads(void) { return default_threads(); }
 
+// Which row decode the production gather runs here: 1 the AVX-512 VBMI decode, 0 the portable
+// one (ISA clones of engram::dequant_row_host). For tests and benchmark reports.
+int engram_cpu_decode_avx512(void) { return g_avx512_decode ? 1 : 0; }
+
 // Gather rows `ids[0..n)` (int32 when id_bytes == 4, int64 when 8) of a packed table holding
 // global rows [lo, hi) and write bf16 bits to out[n][256]; ids outside [lo, hi) give +0 rows.
 // threads <= 0 means all usable cores (or ENGRAM_CPU_THREADS). Returns 0 or a negative
@@ -306,11 +341,12 @@ int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_byte
 
 // Test hook: the same gather through another path (enum Decoder above): 1 the host form with
 // gfx942's fnuz -> fn fix-up, 2 the GPU launchers' device form run thread by thread, 3 the
-// device form with the fix-up. Conversion instructions are replaced by software decodes.
+// device form with the fix-up, 5 the portable host decode (what CPUs without AVX-512 VBMI
+// run). Conversion instructions are replaced by software decodes.
 int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes,
                                        int64_t n, int64_t lo, int64_t hi, uint16_t* out,
                                        int threads, int decoder) {
-    if (decoder < kHostSoft || decoder > kDeviceFnuz) return engram::kBadArgument;
+    if (decoder != kHostPortable && (decoder < kHostSoft || decoder > kDeviceFnuz)) return engram::kBadArgument;
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, decoder);
 }
 
