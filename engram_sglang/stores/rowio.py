@@ -31,6 +31,8 @@ def library() -> ctypes.CDLL:
     lib.engram_rowio_pread.restype = ctypes.c_int
     lib.engram_rowio_aio.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
     lib.engram_rowio_aio.restype = ctypes.c_int
+    lib.engram_rowio_engine.argtypes = [ctypes.c_int]
+    lib.engram_rowio_engine.restype = ctypes.c_int
     lib.engram_disk_step.argtypes = [ctypes.POINTER(DiskFile), ctypes.POINTER(DramCacheView), p, i64, p, p, p, p, p,
                                      ctypes.c_int, ctypes.POINTER(StepResult)]
     lib.engram_disk_step.restype = ctypes.c_int
@@ -120,6 +122,17 @@ def aio_read_rows(fd: int, data_offset: int, rows: np.ndarray, out: np.ndarray, 
     err = library().engram_rowio_aio(fd, data_offset, rows.ctypes.data, rows.shape[0], out.ctypes.data, depth,
                                      ctypes.byref(failed))
     return err, failed.value
+
+
+def read_engine(want: Optional[str] = None) -> str:
+    """The engine of this process's O_DIRECT reads (the native step's and aio_read_rows'):
+    "io_uring", or "aio" (native AIO: asked for by want="aio" or ENGRAM_IO_ENGINE=aio, or where
+    io_uring is unavailable: an old kernel, seccomp, io_uring_disabled). want="auto" goes back
+    to io_uring where available."""
+    codes = {None: -1, "auto": 0, "aio": 1}
+    if want not in codes:
+        raise EngramError(f"read engine must be 'auto' or 'aio', got {want!r}")
+    return "io_uring" if library().engram_rowio_engine(codes[want]) == 0 else "aio"
 
 
 def copy_mapped(base_address: int, rows: np.ndarray, out: np.ndarray, threads: int) -> int:

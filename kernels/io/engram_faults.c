@@ -12,6 +12,8 @@
 //    LD_PRELOAD library can interpose like any libc function (inline-asm syscalls could not
 //    be). One "read" per completion event; an injected EIO rewrites the event's res to -EIO,
 //    as a failing disk reports it; a stall delays the return of the call by STALL_MS.
+//  * syscall(SYS_io_uring_setup, ...): refused (ENOSYS) while the shim is loaded, so the reader
+//    (io_uring by default) uses native AIO, its fallback where io_uring is unavailable.
 // Only reads of files whose path (readlink of /proc/self/fd/N) contains ENGRAM_FAULTS_MATCH
 // are touched; every other call is forwarded unchanged.
 //
@@ -324,6 +326,14 @@ long syscall(long number, ...) {
     long a[6];
     for (int k = 0; k < 6; ++k) a[k] = va_arg(ap, long);
     va_end(ap);
+#ifdef SYS_io_uring_setup
+    // io_uring's completions land in shared memory this shim does not see: refuse the ring as
+    // a seccomp profile would, so the reader falls back to native AIO, which is faulted below.
+    if (number == SYS_io_uring_setup && cfg.loaded) {
+        errno = ENOSYS;
+        return -1;
+    }
+#endif
     const long got = real_syscall(number, a[0], a[1], a[2], a[3], a[4], a[5]);
     if (number != SYS_io_getevents || got <= 0 || !cfg.loaded || !armed()) return got;
     const int saved = errno;

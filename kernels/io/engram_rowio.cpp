@@ -39,6 +39,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "engram_uring.h"
+
 namespace {
 
 constexpr int64_t kRowBytes = 264;
@@ -433,6 +435,143 @@ class AioReads {
     int in_flight_ = 0;
 };
 
+// The same reads by io_uring (engram_uring.h): submission and reaping in one io_uring_enter,
+// registered buffers. The engine is chosen per process (engram_rowio_set_engine, default:
+// io_uring where the kernel allows it, else native AIO).
+class UringReads {
+  public:
+    int error = 0;
+    int64_t failed = -1;
+
+    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
+              int depth) {
+        static thread_local engram_io::Uring ring;
+        ring_ = &ring;
+        depth = std::max(1, std::min(depth, kMaxDepth));
+        if (!ring.ready(depth, kMaxExtent)) return -2;
+        fd_ = fd;
+        data_offset_ = data_offset;
+        rows_ = rows;
+        out_ = out;
+        where_ = where;
+        extents_ = merge_extents(data_offset, rows, n);
+        free_slots_.clear();
+        for (int k = ring.depth - 1; k >= 0; --k) free_slots_.push_back(k);
+        next_ = 0;
+        in_flight_ = 0;
+        error = 0;
+        failed = -1;
+        queue();
+        const int err = ring.enter(0);
+        if (err != 0) fail_submit(err);
+        return 0;
+    }
+
+    bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
+
+    template <class Done>
+    bool pump(bool wait, Done&& done) {
+        queue();
+        const int err = ring_->enter(wait && in_flight_ > 0 ? 1 : 0);
+        if (err != 0) {
+            fail_submit(err);
+            return false;
+        }
+        ring_->reap([&](uint64_t data, int res) {
+            const int slot = static_cast<int>(data & 0xFFFF);
+            const Extent& e = extents_[data >> 16];
+            --in_flight_;
+            free_slots_.push_back(slot);
+            const uint8_t* buf = ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent;
+            if (res < 0) {
+                if (error == 0) error = -res;
+                if (failed < 0 || e.first < failed) failed = e.first;
+                return;
+            }
+            int64_t i = e.first;
+            for (; i < e.last; ++i) {
+                const int64_t at = data_offset_ + rows_[i] * kRowBytes - e.start;
+                if (at + kRowBytes > static_cast<int64_t>(res)) {  // the file ends early
+                    if (error == 0) error = -1;
+                    if (failed < 0 || i < failed) failed = i;
+                    break;
+                }
+                memcpy(out_ + (where_ != nullptr ? where_[i] : i) * kRowBytes, buf + at, kRowBytes);
+            }
+            if (i > e.first) done(e.first, i);
+        });
+        return busy();
+    }
+
+  private:
+    void queue() {
+        while (error == 0 && next_ < extents_.size() && !free_slots_.empty()) {
+            const int slot = free_slots_.back();
+            free_slots_.pop_back();
+            ring_->queue(fd_, extents_[next_].start, ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent,
+                         static_cast<uint32_t>(extents_[next_].length), (static_cast<uint64_t>(next_) << 16) | slot);
+            ++next_;
+            ++in_flight_;
+        }
+    }
+
+    // io_uring_enter failed: the ring is unusable for this call; nothing more is reaped (the
+    // reads in flight finish into the ring's own buffers, which the ring keeps).
+    void fail_submit(int err) {
+        if (error == 0) error = err;
+        if (failed < 0) failed = 0;
+        in_flight_ = 0;
+        next_ = extents_.size();
+    }
+
+    engram_io::Uring* ring_ = nullptr;
+    int fd_ = -1;
+    int64_t data_offset_ = 0;
+    const int64_t* rows_ = nullptr;
+    uint8_t* out_ = nullptr;
+    const int64_t* where_ = nullptr;
+    std::vector<Extent> extents_;
+    std::vector<int> free_slots_;
+    size_t next_ = 0;
+    int in_flight_ = 0;
+};
+
+// 0: io_uring where available, else native AIO; 1: native AIO; 2: io_uring (else AIO).
+std::atomic<int> g_engine{-1};
+
+int engine() {
+    int e = g_engine.load(std::memory_order_relaxed);
+    if (e < 0) {
+        const char* env = std::getenv("ENGRAM_IO_ENGINE");
+        e = env != nullptr && std::strcmp(env, "aio") == 0 ? 1 : 0;
+        g_engine.store(e);
+    }
+    return e;
+}
+
+// The O_DIRECT reads of one call by the process's engine: io_uring, or native AIO where
+// io_uring is unavailable (or asked for).
+class AsyncReads {
+  public:
+    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
+              int depth) {
+        uring_ = engine() != 1 && u_.start(fd, data_offset, rows, n, out, where, depth) == 0;
+        return uring_ ? 0 : aio_.start(fd, data_offset, rows, n, out, where, depth);
+    }
+    bool busy() const { return uring_ ? u_.busy() : aio_.busy(); }
+    template <class Done>
+    bool pump(bool wait, Done&& done) {
+        return uring_ ? u_.pump(wait, done) : aio_.pump(wait, done);
+    }
+    int error() const { return uring_ ? u_.error : aio_.error; }
+    int64_t failed() const { return uring_ ? u_.failed : aio_.failed; }
+
+  private:
+    AioReads aio_;
+    UringReads u_;
+    bool uring_ = false;
+};
+
 }  // namespace
 
 extern "C" {
@@ -505,12 +644,25 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
                      int64_t* failed) {
     *failed = -1;
     if (n == 0) return 0;
-    AioReads reads;
+    AsyncReads reads;
     if (reads.start(fd, data_offset, rows, n, out, nullptr, depth) != 0) return -2;
     while (reads.pump(true, [](int64_t, int64_t) {})) {
     }
-    *failed = reads.failed;
-    return reads.error;
+    *failed = reads.failed();
+    return reads.error();
+}
+
+// The engine of O_DIRECT reads for this process: want 0 io_uring where available (the
+// default; ENGRAM_IO_ENGINE=aio makes it 1), 1 native AIO, -1 leaves it. Returns the setting,
+// or 2 when want is 0 and io_uring is unavailable here (reads use native AIO).
+int engram_rowio_engine(int want) {
+    if (want == 0 || want == 1) g_engine.store(want);
+    const int e = engine();
+    if (e == 0) {
+        engram_io::Uring probe;
+        if (!probe.ready(1, 4096)) return 2;
+    }
+    return e;
 }
 
 }  // extern "C"
@@ -634,7 +786,7 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
         result->failed = m - 1;
         return kStepUnread;
     }
-    AioReads reads;
+    AsyncReads reads;
     if (reads.start(file->fd, file->data_offset, miss_ids.data(), m, packed, missed, file->threads) != 0) {
         copy_hits(0, hits);
         return kStepAioUnavailable;
@@ -675,9 +827,9 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
     }
     while (reads.pump(true, landed)) {
     }
-    if (reads.error != 0) {
-        result->error = reads.error;
-        result->failed = reads.failed;
+    if (reads.error() != 0) {
+        result->error = reads.error();
+        result->failed = reads.failed();
         return kStepUnread;
     }
     if (cache != nullptr)
