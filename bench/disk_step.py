@@ -18,12 +18,17 @@ Each shape also runs its first steps again once every row they read is cached ("
 rows: 100% hits): the host work alone, without the kernel's own CPU time per O_DIRECT read
 (a few us per read on a VM, the same for both paths), which bounds the ratio with misses.
 
-    python bench/disk_step.py [--rows-per-layer 8000000] [--dram-share 0.1] [--batches 16,64,256]
+Then the read engines alone, same run: the same kind of random rows (a batch-256 step's misses,
+distinct, ascending) read by native AIO and by io_uring (kernels/io/engram_uring.h), calls
+alternating: CPU per read (process time) and reads/s. The steps above read by --engine.
+
+    python bench/disk_step.py [--rows-per-layer 8000000] [--dram-share 0.1] [--batches 16,64,256] [--engine auto|aio]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,8 +42,8 @@ from tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
 from workload import hashed_streams  # noqa: E402
 
 from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.stores import open_store  # noqa: E402
-from engram_sglang.tablefile import layer_file_name  # noqa: E402
+from engram_sglang.stores import open_store, rowio  # noqa: E402
+from engram_sglang.tablefile import DATA_OFFSET, layer_file_name  # noqa: E402
 
 PATHS = ("native", "python")
 SHAPES = ("cpu", "gpu-host-half")
@@ -88,6 +93,37 @@ def run_steps(stores: dict, streams, batch: int, start: int, steps: int, shape: 
     return out
 
 
+def engine_reads(path: Path, depth: int, rows_per_call: int = 3000, calls: int = 8) -> list[dict]:
+    """Random distinct rows of the file, ascending, read by each engine in turn (fresh rows
+    each call, order alternating): CPU us and wall per row read."""
+    table_rows = (path.stat().st_size - DATA_OFFSET) // ROW_BYTES
+    rng = np.random.default_rng(13)
+    buf = np.empty((rows_per_call, ROW_BYTES), np.uint8)
+    acc = {e: {"cpu": 0.0, "wall": 0.0, "rows": 0} for e in ("aio", "io_uring")}
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for k in range(calls + 1):
+            for e in (("aio", "io_uring") if k % 2 else ("io_uring", "aio")):
+                if rowio.read_engine("aio" if e == "aio" else "auto") != e:
+                    return []  # io_uring unavailable here: nothing to compare
+                rows = np.unique(rng.integers(0, table_rows, rows_per_call))
+                c0, t0 = time.process_time(), time.perf_counter()
+                err, _ = rowio.aio_read_rows(fd, DATA_OFFSET, rows, buf, depth)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if err != 0:
+                    raise SystemExit(f"disk_step: {e} read of {path} failed (error {err})")
+                if k > 0:  # the first call of each sets its engine up
+                    a = acc[e]
+                    a["cpu"] += cpu
+                    a["wall"] += wall
+                    a["rows"] += rows.shape[0]
+    finally:
+        os.close(fd)
+        rowio.read_engine("auto")
+    return [{"engine": e, "rows": a["rows"], "cpu_us_per_read": 1e6 * a["cpu"] / a["rows"],
+             "reads_per_s": a["rows"] / a["wall"]} for e, a in acc.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows-per-layer", type=int, default=8_000_000)
@@ -98,7 +134,10 @@ def main() -> int:
     ap.add_argument("--warm-tokens", type=int, default=96 * 1024, help="tokens (all streams) read into the cache first")
     ap.add_argument("--threads", type=int, default=64, help="reads in flight")
     ap.add_argument("--iops-seconds", type=float, default=5.0)
+    ap.add_argument("--engine", choices=("auto", "aio"), default="auto",
+                    help="O_DIRECT reads of the steps: io_uring where available (auto) or native AIO")
     args = ap.parse_args()
+    engine = rowio.read_engine(args.engine)
 
     cfg, streams, n_tokens = hashed_streams(args.rows_per_layer, args.kind, layer_ids=(1,))
     root = ensure_table(cfg, args.rows_per_layer)
@@ -148,6 +187,7 @@ def main() -> int:
     finally:
         for s in stores.values():
             s.close()
+    engines = engine_reads(path, args.threads)
     after, _ = disk_iops(path, args.iops_seconds, args.threads)
     iops = (before + after) / 2
     for r in results:
@@ -159,16 +199,21 @@ def main() -> int:
             py = by[(r["shape"], r["batch"], "python")]
             r["cpu_x_below_python"] = py["cpu_ms_per_step"] / max(r["cpu_ms_per_step"], 1e-9)
             r["same_hit_rate"] = r["dram_hit_rate"] == py["dram_hit_rate"]
-    limits = {"iops": iops, "iops_before": before, "iops_after": after, "iops_tool": tool, "table_bytes": table_bytes}
+    limits = {"iops": iops, "iops_before": before, "iops_after": after, "iops_tool": tool, "table_bytes": table_bytes,
+              "engine": engine}
     print_table(
         f"Disk tier decode step, one layer: {table_bytes / 2**30:.2f} GiB table by O_DIRECT, DRAM cache "
-        f"{args.dram_share:.0%}; disk {iops / 1e3:.1f} k IOPS ({before / 1e3:.1f} before, {after / 1e3:.1f} after; {tool})",
+        f"{args.dram_share:.0%}; disk {iops / 1e3:.1f} k IOPS ({before / 1e3:.1f} before, {after / 1e3:.1f} after; {tool}); "
+        f"reads by {engine}",
         ["shape", "batch", "path", "ms/step", "p99 ms", "misses", "floor ms", "vs floor", "CPU ms/step",
          "CPU x below py", "DRAM hit"],
         [[r["shape"], r["batch"], r["path"], r["ms_per_step"], r["p99_ms"], r["misses_per_step"], r["floor_ms"],
           "" if r["vs_floor"] is None else r["vs_floor"], r["cpu_ms_per_step"], f"{r['cpu_x_below_python']:.1f}" if "cpu_x_below_python" in r else "",
           f"{r['dram_hit_rate']:.1%}"] for r in results])
-    write_json("disk_step", {"args": vars(args), "limits": limits, "results": results})
+    if engines:
+        print_table(f"O_DIRECT reads alone, {args.threads} in flight, same run", ["engine", "rows", "CPU us/read", "reads/s"],
+                    [[r["engine"], r["rows"], r["cpu_us_per_read"], r["reads_per_s"]] for r in engines])
+    write_json("disk_step", {"args": vars(args), "limits": limits, "results": results, "engines": engines})
     plot(results, limits)
     return 0
 
