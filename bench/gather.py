@@ -8,6 +8,8 @@ bandwidth. Bytes moved per row: 264 read + 512 written; the "lines" column count
 never reach; the limit that matters is `raw`, measured in the same rounds: the host library's
 own gather loop (same ids, prefetch and threads) copying the packed rows with no decode. The
 "vs raw" column is the fused gather + decode's rows/s over raw's at the same thread count.
+Where the host library decodes with AVX-512 VBMI, `portable` is its other decode (what CPUs
+without VBMI run) in the same rounds.
 
 On a GPU: bench/gpu_check.py's run (its correctness checks, then gathers from HBM and from
 registered host memory against the same-run device copy and host-to-device bandwidth, upstream
@@ -113,6 +115,16 @@ def cpu_bench(args) -> dict:
             lib.gather(table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, args.rows, out.data_ptr(), 1)
 
         runs["cpu x1"] = one_thread
+        # Where the production decode is the AVX-512 one, the portable decode (what CPUs without
+        # AVX-512 VBMI run) in the same rounds: the before/after of that decode.
+        avx512 = bool(lib.lib.engram_cpu_decode_avx512())
+        print(f"host decode: {'AVX-512 VBMI' if avx512 else 'portable (ISA clones)'}", flush=True)
+        if avx512:
+            emulated = lib.lib.engram_cpu_gather_dequant_emulated
+            for t in (threads, 1):
+                runs[f"portable x{t}"] = lambda ids, t=t: emulated(
+                    table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, args.rows,
+                    outs[tuple(ids.shape)].data_ptr(), t, 5)
         raw = lib.lib.engram_cpu_gather_raw
         raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -144,9 +156,10 @@ def cpu_bench(args) -> dict:
     # Like for like: one-thread rows against one-thread memcpy, the others against torch's copy
     # on all intra-op threads (the gather's own thread count).
     for r in results:
-        if r["backend"].startswith("cpu x"):  # the fused decode over the raw gather, same threads
+        if r["backend"].startswith(("cpu x", "portable x")):  # fused decode over raw, same threads
+            raw_name = "raw " + r["backend"].split(" ")[1]
             r["vs_raw"] = r["rows_per_s"] / next(x["rows_per_s"] for x in results if (x["batch"], x["ids"]) ==
-                                                 (r["batch"], r["ids"]) and x["backend"] == "raw" + r["backend"][3:])
+                                                 (r["batch"], r["ids"]) and x["backend"] == raw_name)
         if r["backend"].startswith("raw"):  # 264 B read + 264 B written
             r["gb_s"] = r["rows_per_s"] * 2 * READ / 1e9
             r["gb_s_lines"] = r["rows_per_s"] * (LINES + READ) / 1e9
@@ -162,6 +175,7 @@ def cpu_bench(args) -> dict:
           r["memcpy_over_gather"], r["memcpy_over_gather_lines"], r["x_torch"],
           f"{r['vs_raw']:.2f}" if "vs_raw" in r else ""] for r in results])
     return {"limits": limits, "results": results, "rows": args.rows, "threads": threads,
+            "host_decode": None if lib is None else ("avx512" if lib.lib.engram_cpu_decode_avx512() else "portable"),
             "huge_page_coverage": coverage, "repeat": args.repeat}
 
 
