@@ -136,11 +136,20 @@ ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
     rows_body<PortableRows, int64_t>(j, b, e);
 }
 
+#if ENGRAM_HAVE_AVX512_DECODE
+// The loop built for the decode's ISA, so that the row decode and its constants are inlined
+// into it rather than called (and reloaded) row by row.
+template <typename IdT>
+ENGRAM_AVX512_DECODE_TARGET void rows_avx512(const Job& j, int64_t b, int64_t e) {
+    rows_body<Avx512Rows, IdT>(j, b, e);
+}
+#endif
+
 // The production decode: the AVX-512 row decode where the CPU has it.
 template <typename IdT>
 void rows_production(const Job& j, int64_t b, int64_t e) {
 #if ENGRAM_HAVE_AVX512_DECODE
-    if (g_avx512_decode) return rows_body<Avx512Rows, IdT>(j, b, e);
+    if (g_avx512_decode) return rows_avx512<IdT>(j, b, e);
 #endif
     if constexpr (std::is_same<IdT, int32_t>::value)
         rows_soft_i32(j, b, e);
