@@ -270,6 +270,13 @@ def test_host_decode_fast_and_fallback_blocks_in_one_row(rng):
         lib.gather(t.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, t.shape[0], out.data_ptr(), threads)
         assert torch.equal(bits_of(out), want), threads
     assert torch.equal(bits_of(run_emulated(t, ids, 0, t.shape[0], HOST_PORTABLE)), want)
+    # Outputs of 32 MiB and more are written by non-temporal stores (kStreamBytes).
+    big = torch.randint(-1, t.shape[0] + 1, (66_000,), generator=rng)
+    out = torch.empty((big.numel(), 256), dtype=torch.bfloat16)
+    assert out.data_ptr() % 64 == 0
+    for threads in (1, 2):
+        lib.gather(t.data_ptr(), big.data_ptr(), 8, big.numel(), 0, t.shape[0], out.data_ptr(), threads)
+        assert torch.equal(bits_of(out), expected_bits(t, big, 0, t.shape[0])), threads
     # The exhaustive table through the portable decode too (production runs it in the tests above).
     ex = exhaustive_table()
     ex_ids = torch.arange(ex.shape[0]).int()

@@ -87,9 +87,20 @@ ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline uint64_t avx51
     return _mm512_testn_epi8_mask(_mm512_add_epi8(b, r.one), r.x7e);
 }
 
+// kStream: non-temporal stores, for outputs too large to be read back from the cache (no
+// read for ownership: half the memory traffic of a written line); o must be 64-byte aligned.
+template <bool kStream>
+ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_store(uint16_t* o, __m512i v) {
+    if constexpr (kStream)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(o), v);
+    else
+        _mm512_storeu_si512(o, v);
+}
+
 // The fast pass over 64 codes b (two blocks): their bf16 bits plus ka / kb, the two blocks'
 // scale steps in bf16 bits mod 2^16. A plain scale keeps every non-zero magnitude inside
 // bf16's normal range, so the add neither borrows from nor carries into the sign.
+template <bool kStream = false>
 ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_fast_pair(
     const Avx512DecodeRegs& r, __m512i b, __m512i ka, __m512i kb, uint16_t* o) {
     // maskz with all lanes: the unmasked intrinsics trip GCC 12's -Wmaybe-uninitialized.
@@ -97,8 +108,8 @@ ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_fa
     const __m512i lo = _mm512_permutex2var_epi8(r.lo_a, p, r.lo_b);
     __m512i hi = _mm512_permutex2var_epi8(r.hi_a, p, r.hi_b);
     hi = _mm512_ternarylogic_epi32(hi, p, r.sign, 0xF8);  // hi | (p & 0x80)
-    _mm512_storeu_si512(o, _mm512_add_epi16(_mm512_unpacklo_epi8(lo, hi), ka));
-    _mm512_storeu_si512(o + kBlockValues, _mm512_add_epi16(_mm512_unpackhi_epi8(lo, hi), kb));
+    avx512_store<kStream>(o, _mm512_add_epi16(_mm512_unpacklo_epi8(lo, hi), ka));
+    avx512_store<kStream>(o + kBlockValues, _mm512_add_epi16(_mm512_unpackhi_epi8(lo, hi), kb));
 }
 
 // Rows with a zero or NaN code or a scale byte outside 10..246: pair by pair, the fast pass
@@ -124,9 +135,9 @@ ENGRAM_AVX512_DECODE_TARGET inline void dequant_row_avx512_mixed(const uint8_t* 
 }
 
 // One packed row -> 256 bf16 words. One test for the whole row (codes and scales), then the
-// fast pass straight through; other rows go pair by pair (dequant_row_avx512_mixed). Not forced
-// inline: the caller's loop is built for the baseline ISA, and a call per row (264 bytes in,
-// 512 out) costs little next to the row.
+// fast pass straight through; other rows go pair by pair (dequant_row_avx512_mixed, with
+// ordinary stores). kStream: see avx512_store; the caller fences (_mm_sfence) after its rows.
+template <bool kStream = false>
 ENGRAM_AVX512_DECODE_TARGET inline void dequant_row_avx512(const uint8_t* __restrict__ row,
                                                            uint16_t* __restrict__ out) {
     const Avx512DecodeRegs r;
@@ -149,7 +160,7 @@ ENGRAM_AVX512_DECODE_TARGET inline void dequant_row_avx512(const uint8_t* __rest
         k = _mm_srli_si128(k, 2);
         const __m512i kb = _mm512_maskz_broadcastw_epi16(~0u, k);
         k = _mm_srli_si128(k, 2);
-        avx512_fast_pair(r, b[q], ka, kb, out + q * 2 * kBlockValues);
+        avx512_fast_pair<kStream>(r, b[q], ka, kb, out + q * 2 * kBlockValues);
     }
 }
 

@@ -37,7 +37,15 @@ struct Job {
     int64_t n, lo, hi;
     uint16_t* out;
     int decoder;  // a Decoder value
+    bool stream;  // write the decoded rows with non-temporal stores (see kStreamBytes)
 };
+
+// Outputs at least this large are written past the cache (non-temporal stores, no read for
+// ownership) by the AVX-512 decode: they do not stay cached until they are read anyway (a
+// server L3 is 32-64 MiB per socket or slice; a prefill chunk's rows are ~100 MB), and a
+// written line then costs one transfer instead of two. Decode-step outputs (a few MB) are
+// written through the cache, where the next op reads them.
+constexpr int64_t kStreamBytes = int64_t{32} << 20;
 
 // What the test hook can run besides production, to check on the host the logic the GPU
 // launchers run (with only their conversion instruction replaced by its software twin).
@@ -58,7 +66,8 @@ constexpr bool g_avx512_decode = false;
 
 // Row decoder tags for rows_body besides the Decoder types of engram_gather.h.
 struct PortableRows {};  // dequant_row_host, vectorized by the compiler for the clone's ISA
-struct Avx512Rows {};    // dequant_row_avx512
+template <bool kStream>
+struct Avx512Rows {};    // dequant_row_avx512<kStream>
 
 // The GPU launchers' launch shape, emulated block by block.
 constexpr int kEmuBlockThreads = 256;
@@ -108,8 +117,10 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
             if constexpr (std::is_same<Decoder, PortableRows>::value)
                 engram::dequant_row_host(row, o);
 #if ENGRAM_HAVE_AVX512_DECODE
-            else if constexpr (std::is_same<Decoder, Avx512Rows>::value)
-                engram::dequant_row_avx512(row, o);
+            else if constexpr (std::is_same<Decoder, Avx512Rows<false>>::value)
+                engram::dequant_row_avx512<false>(row, o);
+            else if constexpr (std::is_same<Decoder, Avx512Rows<true>>::value)
+                engram::dequant_row_avx512<true>(row, o);
 #endif
             else
                 engram::dequant_row<Decoder>(row, o);
@@ -141,7 +152,9 @@ ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
 // into it rather than called (and reloaded) row by row.
 template <typename IdT>
 ENGRAM_AVX512_DECODE_TARGET void rows_avx512(const Job& j, int64_t b, int64_t e) {
-    rows_body<Avx512Rows, IdT>(j, b, e);
+    if (!j.stream) return rows_body<Avx512Rows<false>, IdT>(j, b, e);
+    rows_body<Avx512Rows<true>, IdT>(j, b, e);
+    _mm_sfence();  // the non-temporal stores are visible before the task counts as done
 }
 #endif
 
@@ -313,7 +326,8 @@ int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64
     if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
     if (n == 0) return engram::kOk;
     if (ids == nullptr || out == nullptr || (table == nullptr && hi > lo)) return engram::kBadArgument;
-    const Job j{table, ids, id_bytes, n, lo, hi, out, decoder};
+    const bool stream = n * kRowValues * 2 >= kStreamBytes && (reinterpret_cast<uintptr_t>(out) & 63u) == 0;
+    const Job j{table, ids, id_bytes, n, lo, hi, out, decoder, stream};
     if (threads <= 0) threads = default_threads();
     const int64_t useful = (n + kGrainRows - 1) / kGrainRows;
     if (threads > useful) threads = static_cast<int>(useful);
