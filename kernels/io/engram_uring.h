@@ -21,6 +21,18 @@
 #include <cstdlib>
 #include <cstring>
 
+// Flags newer than some distributions' kernel headers (5.19 / 6.0 / 6.1); a kernel without
+// them refuses them (EINVAL) and ready() retries with fewer.
+#ifndef IORING_SETUP_COOP_TASKRUN
+#define IORING_SETUP_COOP_TASKRUN (1U << 8)
+#endif
+#ifndef IORING_SETUP_SINGLE_ISSUER
+#define IORING_SETUP_SINGLE_ISSUER (1U << 12)
+#endif
+#ifndef IORING_SETUP_DEFER_TASKRUN
+#define IORING_SETUP_DEFER_TASKRUN (1U << 13)
+#endif
+
 namespace engram_io {
 
 class Uring {
