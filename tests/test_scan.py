@@ -53,6 +53,15 @@ def test_gate_attribution_and_read_counts_by_hand():
     assert s["spearman_gate_vs_reads"] == pytest.approx(spearmanr(gate, reads).statistic)
 
 
+def test_spearman_with_ties_equals_scipys(rng=np.random.default_rng(3)):
+    from engram_sglang.analysis.scan import spearman
+
+    for _ in range(20):
+        a, b = rng.integers(0, 6, 40).astype(float), rng.normal(size=40).round(1)
+        assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert np.isnan(spearman(np.ones(5), np.arange(5)))
+
+
 def test_scan_on_the_demo_model_counts_what_the_hasher_reads(tmp_path, capsys):
     ref = reference()
     tok = ref.tokenizer

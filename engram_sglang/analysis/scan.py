@@ -84,9 +84,26 @@ def ngram_keys(c: Corpus, n: int) -> tuple[np.ndarray, np.ndarray]:
     return at, keys
 
 
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of x, ties given their mean rank."""
+    order = np.argsort(x, kind="stable")
+    _, first, inv, counts = np.unique(x[order], return_index=True, return_inverse=True, return_counts=True)
+    mean_rank = first + (counts + 1) / 2.0  # ranks first+1 .. first+count, averaged
+    out = np.empty(len(x), dtype=np.float64)
+    out[order] = mean_rank[inv.reshape(-1)]
+    return out
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (Pearson's over tie-averaged ranks); NaN where either is constant."""
+    ra, rb = _ranks(np.asarray(a, dtype=np.float64)), _ranks(np.asarray(b, dtype=np.float64))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / den) if den > 0 else float("nan")
+
+
 def layer_order(c: Corpus, tokenizer, i: int, n: int, n_heads: int, top: int, min_count: int) -> dict:
     """The figures of Engram layer index i, n-gram order n."""
-    from scipy.stats import spearmanr
 
     def text(pos: int) -> str:
         return tokenizer.decode(c.tokens[pos - n + 1:pos + 1].tolist())
@@ -107,7 +124,7 @@ def layer_order(c: Corpus, tokenizer, i: int, n: int, n_heads: int, top: int, mi
     g = np.repeat(c.gates[:, i], n_heads)
     urows, rinv, reads = np.unique(flat, return_inverse=True, return_counts=True)
     row_gate = np.bincount(rinv.reshape(-1), weights=g, minlength=len(urows)) / reads
-    rho = spearmanr(row_gate, reads).statistic if len(urows) > 2 and reads.min() != reads.max() else float("nan")
+    rho = spearman(row_gate, reads) if len(urows) > 2 and reads.min() != reads.max() else float("nan")
     # Which n-gram read each hot row. Every head of an order reads one row for the same n-gram,
     # so the most-read rows come in sets of `n_heads`: one entry per leading n-gram, its rows listed.
     key_of = np.full(c.tokens.shape[0], -1, dtype=np.int64)
