@@ -525,9 +525,10 @@ class UringReads {
         }
     }
 
-    // io_uring_enter failed: the ring is unusable for this call; nothing more is reaped (the
-    // reads in flight finish into the ring's own buffers, which the ring keeps).
+    // io_uring_enter failed: nothing more is reaped; the ring is dropped (its buffers never
+    // freed: reads in flight may still land there) and the next call makes a new one.
     void fail_submit(int err) {
+        ring_->abandon();
         if (error == 0) error = err;
         if (failed < 0) failed = 0;
         in_flight_ = 0;

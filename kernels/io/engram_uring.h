@@ -44,9 +44,11 @@ class Uring {
 
     // A ring of at least `want` entries with `want` buffer slots; false where io_uring is unavailable.
     bool ready(int want, int64_t slot_bytes) {
-        if (depth >= want) return true;
+        const pid_t pid = getpid();  // a forked child cannot use its parent's ring (single issuer)
+        if (depth >= want && owner_ == pid) return true;
         if (failed_) return false;
         close_ring();
+        owner_ = pid;
         io_uring_params p;
         const unsigned tries[] = {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_COOP_TASKRUN, 0};
         for (unsigned flags : tries) {
@@ -109,18 +111,22 @@ class Uring {
     // Submits what is queued and, with wait > 0, waits for that many completions, in one
     // syscall; with DEFER_TASKRUN this is also what posts the completions. 0 or an errno.
     int enter(unsigned wait) {
-        if (queued_ > 0) __atomic_store_n(sq_tail_, *sq_tail_ + queued_, __ATOMIC_RELEASE);
         const unsigned submit = queued_;
+        if (submit > 0) __atomic_store_n(sq_tail_, *sq_tail_ + submit, __ATOMIC_RELEASE);
+        queued_ = 0;
         for (;;) {
+            // Interrupted: again with the same count (the kernel takes only what the SQ still holds).
             const long r = syscall(__NR_io_uring_enter, fd_, submit, wait, IORING_ENTER_GETEVENTS, nullptr, 0);
-            if (r >= 0) {
-                queued_ = 0;  // a single issuer's SQEs are all consumed (or failed as CQEs)
-                return 0;
-            }
-            if (errno == EINTR && wait > 0) continue;
-            if (errno == EINTR) return 0;
-            return errno;
+            if (r >= 0) return 0;
+            if (errno != EINTR) return errno;
         }
+    }
+
+    // After a failed io_uring_enter: reads may still be landing in `buffers`, so they are never
+    // freed (a few MiB, once); the next ready() makes a new ring.
+    void abandon() {
+        buffers = nullptr;
+        depth = 0;
     }
 
     // Hands each posted completion (user_data, res) to fn; returns how many.
@@ -151,6 +157,7 @@ class Uring {
     }
 
     int fd_ = -1;
+    pid_t owner_ = 0;
     bool failed_ = false, fixed_ = false;
     void* ring_ = nullptr;
     io_uring_sqe* sqes_ = nullptr;
