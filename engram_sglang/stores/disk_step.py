@@ -2,7 +2,8 @@
 
 The call dedupes the ids, looks them up in the DRAM row cache (its own arrays: the policy is
 dram_cache.py's, ported in kernels/io/engram_dram_policy.h), copies the hits, reads the misses
-as the store reads (mapping, native AIO or pread), admits them, and where the compute device
+as the store reads (mapping, O_DIRECT by io_uring or native AIO: issued first, the hits' work
+done while they are in flight; or pread), admits them, and where the compute device
 is the CPU decodes the rows too; no Python per row. Python only hands over ids and buffers.
 
 A read the native call could not finish (an I/O error, a truncated file, no AIO on this

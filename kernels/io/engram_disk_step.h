@@ -3,7 +3,8 @@
 //
 // One call takes a step's row ids and buffers and does what engram_sglang/stores/disk.py does
 // per call in numpy: dedupe the ids (sorted, this shard's only), look them up in the DRAM row
-// cache, copy the hits, read the misses (mapping, native AIO or pread, as the store reads),
+// cache, copy the hits, read the misses (mapping, O_DIRECT by io_uring or native AIO, or pread,
+// as the store reads; O_DIRECT reads are issued first and the rest runs while they fly),
 // admit them (engram_dram_policy.h: the Python cache's own policy and state), and where the
 // compute device is the CPU decode every id's row to bf16 (the host gather's row decode,
 // dequant_row_host, on the pool's threads when it pays). On a GPU the packed rows and each
