@@ -495,7 +495,7 @@ def run_group(hz: Harness, shape: str, batch: int, placements: list[str], graphs
             name = ("baseline" if p is None else f"{p} {'prefetch' if pre else 'inline'}") + " graph"
             results.append({"shape": shape, "batch": batch, "tokens_per_step": batch, "variant": name,
                             "placement": p or "none", "prefetch": pre, "graphs": True, "error": "",
-                            "na": "needs a GPU"})
+                            "na": "needs a GPU" if hz.device.type != "cuda" else "not run (give --graphs)"})
     for v in variants:
         v.graph = None
     return results
@@ -507,11 +507,13 @@ def disk_graph_summary(results: list[dict]) -> dict:
     step against its eager step and against the host placement's graph step (throughput
     ratios, > 1: the staged graph is faster)."""
     ms = {(r["batch"], r["variant"]): r["ms_per_step"] for r in results if r["shape"] == "decode" and "ms_per_step" in r}
+    rows = {(r["batch"], r["variant"]): r for r in results if r["shape"] == "decode"}
     out, lines = {}, []
     for batch in sorted({b for b, _ in ms} | {r["batch"] for r in results if r["shape"] == "decode"}):
         graph = ms.get((batch, "disk prefetch graph"))
-        if graph is None:
-            lines.append(f"disk staged graph, decode {batch}: needs a GPU")
+        if graph is None:  # the row's own reason: a failed capture on a GPU must not read as "needs a GPU"
+            row = rows.get((batch, "disk prefetch graph"), {})
+            lines.append(f"disk staged graph, decode {batch}: {row.get('error') or row.get('na') or 'not run'}")
             continue
         vs_eager = ms[(batch, "disk prefetch")] / graph if (batch, "disk prefetch") in ms else None
         vs_host = ms[(batch, "host prefetch graph")] / graph if (batch, "host prefetch graph") in ms else None

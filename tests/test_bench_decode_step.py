@@ -164,3 +164,21 @@ def test_the_staged_disk_graph_variant_matches_device_placement(tmp_path, monkey
         for stores in hz.stores.values():
             for s in stores.values():
                 s.close()
+
+
+def test_the_disk_graph_summary_reports_a_failed_capture_as_such():
+    """On a GPU a failed staged capture must read as its error, not as "needs a GPU"."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_step_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = [
+        {"shape": "decode", "batch": 8, "variant": "disk prefetch", "ms_per_step": 2.0},
+        {"shape": "decode", "batch": 8, "variant": "disk prefetch graph", "error": "CUDA error: operation not permitted"},
+        {"shape": "decode", "batch": 32, "variant": "disk prefetch", "ms_per_step": 4.0},
+        {"shape": "decode", "batch": 32, "variant": "disk prefetch graph", "ms_per_step": 2.0},
+    ]
+    lines = bench.disk_graph_summary(results)["lines"]
+    assert lines[0] == "disk staged graph, decode 8: CUDA error: operation not permitted"
+    assert lines[1].startswith("disk staged graph, decode 32: 2.000 ms/step, x2.000 vs disk eager")
