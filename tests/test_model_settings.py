@@ -22,7 +22,7 @@ def test_defaults_and_environment():
     assert not s.prefetch and s.debug == ("skip-wait",)
     s = ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "yes", "ENGRAM_HUGE_PAGES": "off"})
     assert s.store_options() == {"shared": True, "shm_dir": "/dev/shm", "huge_pages": False, "numa": "auto",
-                                 "whole_rows": True}
+                                 "whole_rows": "auto"}  # resolved by the runtime (serving/whole_rows_auto.py)
 
 
 @pytest.mark.parametrize("env, message", [

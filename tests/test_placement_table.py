@@ -57,7 +57,7 @@ def test_settings_give_open_store_the_tables_options(name):
     assert set(options) == {o.name for o in spec.options if not o.only_when_set}
     for o in spec.options:  # each knob lands on its option, scaled
         knob = next(k for k in KNOBS if k.flag == o.knob)
-        raw = {"bool": "on", "int": "3", "str": "/somewhere", "numa": "1"}[knob.kind]
+        raw = {"bool": "on", "auto-bool": "on", "int": "3", "str": "/somewhere", "numa": "1"}[knob.kind]
         got = ServeSettings.from_env({"ENGRAM_PLACEMENT": name, knob.env: raw}).store_options()[o.name]
         parsed = {"on": True, "3": 3, "/somewhere": "/somewhere", "1": "1"}[raw]
         assert got == (parsed * o.scale if o.scale != 1 else parsed)
@@ -234,7 +234,8 @@ def test_the_runtime_does_not_all_reduce_whole_rows(tables, tmp_path, monkeypatc
     reduced = []
     monkeypatch.setattr(distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t) or t * 2)
     ids = torch.randint(0, min(r.shape[0] for r in rows.values()), (8, len(CFG.layer_ids), 12), generator=rng)
-    for shared, whole in ((True, True), (False, True), (True, False)):
+    # "auto" (the default) on the CPU: whole rows, as before auto (serving/whole_rows_auto.py).
+    for shared, whole in ((True, True), (False, True), (True, False), (True, "auto")):
         runtime = _runtime(root, tmp_path, monkeypatch, shared=shared, tp_rank=1, whole=whole)
         shared = shared and whole  # --engram-host-whole-rows off: the shared copy is read as shards
         try:

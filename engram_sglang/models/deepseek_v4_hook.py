@@ -215,6 +215,7 @@ def rank_rows(settings, parallel) -> tuple[int, int]:
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return parallel.tp_rank, parallel.tp_size
+    # --engram-host-whole-rows auto counts as on here: the one layout these ranks can serve.
     if placement(settings.placement).rows_held(settings.store_options()) != WHOLE:
         raise EngramError(
             f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "

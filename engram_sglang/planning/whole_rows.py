@@ -21,7 +21,8 @@ close is the safer side of the estimate (the reason says so).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import re
+from typing import Any, Callable, Optional
 
 # One all-reduce's fixed cost inside an NVLink/xGMI island (launch + synchronization of a
 # small message). Assumption: NCCL's all-reduce latency within one node is ~10 us for small
@@ -32,24 +33,31 @@ CACHE_LINE = 64
 
 
 def step_bytes(*, tokens: int, layers: int, columns: int, head_dim: int, lines_per_row: float, tp: int,
-               hit_rate: float = 0.0) -> dict[str, float]:
+               hit_rate: float = 0.0, shard_hit_rate: Optional[float] = None) -> dict[str, float]:
     """Per GPU, one step of `tokens` tokens: all-reduce payload and ring bytes removed by whole
-    rows, host-link bytes of whole rows and of a shard, and the bytes whole rows add."""
+    rows, host-link bytes of whole rows and of a shard, and the bytes whole rows add.
+    `hit_rate` is the hot-row cache's hit rate with whole rows, `shard_hit_rate` with a shard
+    (the same HBM covers 1/TP of the table, so it hits more; default: `hit_rate`)."""
+    shard_hit = hit_rate if shard_hit_rate is None else shard_hit_rate
     payload = tokens * layers * columns * head_dim * BF16_BYTES
     ring = 2 * (tp - 1) / tp * payload if tp > 1 else 0.0
-    whole = tokens * layers * columns * lines_per_row * CACHE_LINE * (1.0 - hit_rate)
-    shard = whole / tp
+    raw = tokens * layers * columns * lines_per_row * CACHE_LINE
+    whole = raw * (1.0 - hit_rate)
+    shard = raw / tp * (1.0 - shard_hit)
     return {"allreduce_payload_bytes": payload, "collective_bytes_removed": ring,
             "host_bytes_whole": whole, "host_bytes_shard": shard, "host_bytes_added": whole - shard}
 
 
 def compare(*, tokens_by_phase: dict[str, int], layers: int, columns: int, head_dim: int, lines_per_row: float,
-            tp: int, host_gbps: float, gpu_gbps: Optional[float], hit_rate: float = 0.0) -> dict[str, Any]:
-    """Bytes and times per phase and the recommendation ("whole" or "sharded") with its reason."""
+            tp: int, host_gbps: float, gpu_gbps: Optional[float], hit_rate: float = 0.0,
+            shard_hit_rate: Optional[float] = None) -> dict[str, Any]:
+    """Bytes and times per phase and the recommendation ("whole" or "sharded") with its reason;
+    hit rates as in `step_bytes`."""
+    shard_hit = hit_rate if shard_hit_rate is None else shard_hit_rate
     phases = {}
     for phase, tokens in tokens_by_phase.items():
         b = step_bytes(tokens=tokens, layers=layers, columns=columns, head_dim=head_dim,
-                       lines_per_row=lines_per_row, tp=tp, hit_rate=hit_rate)
+                       lines_per_row=lines_per_row, tp=tp, hit_rate=hit_rate, shard_hit_rate=shard_hit)
         added_s = b["host_bytes_added"] / (host_gbps * 1e9)
         removed_s = None
         if tp > 1 and gpu_gbps:
@@ -67,6 +75,59 @@ def compare(*, tokens_by_phase: dict[str, int], layers: int, columns: int, head_
     parts = [f"{p}: +{v['host_seconds_added'] * 1e6:,.0f} us on the host link vs -{v['allreduce_seconds_removed'] * 1e6:,.0f} "
              f"us of all-reduce" for p, v in phases.items()]
     split = "" if len(set(wins.values())) == 1 else f" (phases disagree: {', '.join(f'{p} {w}' for p, w in wins.items())}; decode decides)"
-    reason = (f"{'; '.join(parts)} per step at peak, TP{tp}, {hit_rate:.0%} hot-cache hits{split}; "
+    hits = (f"{hit_rate:.0%} hot-cache hits" if shard_hit == hit_rate else
+            f"hot-cache hits {hit_rate:.0%} whole, {shard_hit:.0%} sharded")
+    reason = (f"{'; '.join(parts)} per step at peak, TP{tp}, {hits}{split}; "
               f"host reads overlap the layers before each Engram layer, the all-reduce does not")
     return {"phases": phases, "recommend": pick, "reason": reason}
+
+
+def layout_hit_rates(cache_share: float, tp: int, curve: Optional[Callable[[float], float]] = None) -> dict[str, float]:
+    """Hot-row cache hit rates of the two layouts at the same HBM per GPU, a cache of
+    `cache_share` of a layer's rows: whole rows spread it over the whole table, a shard over
+    its 1/TP (the cache then holds TP x the share of the rows its rank reads). `curve` maps a
+    cached share to a hit rate: a trace replay's, else planning/disk.py's default (measured on
+    real code text, an assumption for other text)."""
+    if curve is None:
+        from .disk import default_hit_rate as curve
+    return {"whole": curve(cache_share), "sharded": curve(min(1.0, cache_share * tp))}
+
+
+def sku_for_device(device_name: str, gpus: dict) -> Optional[Any]:
+    """The configs/gpus.json SKU a device name (torch.cuda.get_device_name) names: the SKU key
+    as a word of it ("NVIDIA H200" -> H200; "NVIDIA GB200" is GB200, not B200). The file's
+    SKUs are NVLink/xGMI servers: a PCIe card (no GPU-to-GPU link of theirs) matches none."""
+    if "pcie" in device_name.lower():
+        return None
+    for key, sku in gpus.items():
+        if re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device_name.lower()):
+            return sku
+    return None
+
+
+def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0,
+           gpus: Optional[dict] = None) -> tuple[bool, str]:
+    """`--engram-host-whole-rows auto`: whole rows (True) or a shard and an all-reduce (False)
+    for TP `tp` on the GPU named `device_name` (None: no GPU), and why in one line: the
+    planner's pick (`compare`, decode and prefill as `engram-sglang plan` weighs them), with
+    a hot-row cache of `cache_share` of each layer's rows per GPU at each layout's hit rate.
+    Whole rows wherever there is nothing to weigh (TP 1, no GPU, a GPU the file lacks): the
+    behaviour before `auto`, and the one layout attention data parallelism can serve."""
+    from .data import load_gpus
+    from .model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
+
+    if tp <= 1:
+        return True, "TP 1: one rank holds every row"
+    if device_name is None:
+        return True, "no GPU: nothing to weigh an all-reduce against"
+    sku = sku_for_device(device_name, load_gpus() if gpus is None else gpus)
+    if sku is None:
+        return True, f"GPU {device_name!r} is not a SKU of configs/gpus.json: no link figures to weigh"
+    rates = layout_hit_rates(cache_share, tp)
+    r = compare(tokens_by_phase={"decode": DECODE_BATCH, "prefill": PREFILL_CHUNK}, layers=cfg.n_layers,
+                columns=cfg.hash_columns, head_dim=cfg.head_dim, lines_per_row=lines_per_row(row_bytes(cfg)), tp=tp,
+                host_gbps=sku.host_link_gbps, gpu_gbps=sku.gpu_link_gbps, hit_rate=rates["whole"],
+                shard_hit_rate=rates["sharded"])
+    if r["recommend"] is None:
+        return True, f"{sku.key}: {r['reason']}"
+    return r["recommend"] == "whole", f"{sku.key} ({device_name}): {r['reason']}"

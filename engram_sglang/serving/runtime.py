@@ -129,7 +129,10 @@ class EngramRuntime:
     def __init__(self, cfg: EngramConfig, hasher, settings: ServeSettings, table_dir: Path, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1, *, step_hasher=None):
         from ..stores import open_store
+        from .whole_rows_auto import resolve
 
+        # --engram-host-whole-rows auto: the planner's pick for this TP size and GPU (logged).
+        settings = resolve(settings, cfg, tp_size, torch.device(device), tp_rank=tp_rank)
         self.cfg, self.hasher, self.settings = cfg, hasher, settings
         # The module that hashes a forward batch (an upstream EngramHasher: SGLang keeps its
         # per-request history). Ours over `hasher` unless the model brings its own (DeepSeek:

@@ -26,7 +26,7 @@ _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
 @dataclasses.dataclass(frozen=True)
 class Knob:
     flag: str  # without the leading "--engram-"
-    kind: str  # "str", "int", "bool", "choice", "list", "numa"
+    kind: str  # "str", "int", "bool", "auto-bool" (on, off or auto), "choice", "list", "numa"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -47,9 +47,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
     Knob("host-shared", "bool", False, "host placement: one copy per node in /dev/shm instead of one per rank"),
     Knob("shm-dir", "str", "/dev/shm", "host placement: where the shared copy lives"),
-    Knob("host-whole-rows", "bool", True, "host placement with --engram-host-shared on: each tensor-parallel rank reads "
-         "the whole rows of its tokens from the node's copy, no all-reduce (off: a row shard per rank and an "
-         "all-reduce; `engram-sglang plan` says which is faster on a GPU)"),
+    Knob("host-whole-rows", "auto-bool", "auto", "host placement with --engram-host-shared on: on, each tensor-parallel "
+         "rank reads the whole rows of its tokens from the node's copy, no all-reduce; off, a row shard per rank and an "
+         "all-reduce; auto, what `engram-sglang plan` picks for the TP size and the GPU (whole rows at TP 1, without a "
+         "GPU, or on a GPU configs/gpus.json lacks; logged at start-up)"),
     Knob("host-keep", "bool", False, "host placement: keep the node's shared copy when the last server leaves "
          "(else it removes it); see `engram-sglang shm ls`"),
     Knob("host-numa", "numa", "auto", "host placement: NUMA node of the table memory: auto (each rank's copy on its "
@@ -87,7 +88,7 @@ class ServeSettings:
     backend: str = "auto"
     host_shared: bool = False
     shm_dir: str = "/dev/shm"
-    host_whole_rows: bool = True
+    host_whole_rows: bool | str = "auto"  # "auto" until the runtime resolves it (serving/whole_rows_auto.py)
     host_keep: bool = False
     host_numa: str = "auto"
     huge_pages: bool = True
@@ -160,13 +161,16 @@ def _parse(knob: Knob, raw: str) -> Any:
         if knob.flag == "disk-threads" and n > MAX_DISK_THREADS:
             raise EngramConfigError(f"{where} must be at most {MAX_DISK_THREADS} (reads in flight), got {n}")
         return n
-    if knob.kind == "bool":
+    if knob.kind == "auto-bool" and value.lower() == "auto":
+        return "auto"
+    if knob.kind in ("bool", "auto-bool"):
         low = value.lower()
         if low in _TRUE:
             return True
         if low in _FALSE:
             return False
-        raise EngramConfigError(f"{where} must be on/off (1/0, true/false), got {raw!r}")
+        also = ", or auto" if knob.kind == "auto-bool" else ""
+        raise EngramConfigError(f"{where} must be on/off (1/0, true/false){also}, got {raw!r}")
     if knob.kind == "numa":  # stores/numa.py's modes (not imported: it loads with torch)
         low = value.lower()
         if low in ("auto", "interleave", "off") or (low.isdigit() and int(low) < 1024):
@@ -190,8 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for knob in KNOBS:
         kwargs: dict = {"dest": "engram_" + knob.field, "default": None,
                         "help": f"{knob.help} [env {knob.env}; default {_shown(knob.default)}]"}
-        if knob.kind == "bool":
-            kwargs.update(nargs="?", const="1", metavar="on|off")
+        if knob.kind in ("bool", "auto-bool"):
+            kwargs.update(nargs="?", const="1", metavar="on|off" if knob.kind == "bool" else "on|off|auto")
         elif knob.kind == "choice":
             kwargs.update(choices=knob.choices)
         group.add_argument(f"--engram-{knob.flag}", **kwargs)
