@@ -126,6 +126,11 @@ def test_a_crashed_fillers_leftover_is_reclaimed(tables, tmp_path):
         with open(p, "wb") as f:
             f.truncate(ROWS * ROW_BYTES)
         os.chmod(p, 0o600)
+    from engram_sglang.stores.shmadmin import list_copies
+
+    # `shm ls` lists them, by the same directory scan the reclaim walks (shmcopy.scan).
+    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path)}
+    assert listed == {p.name: (pid, False, 1) for p in leftovers}
     store = _open(dir_a, tmp_path)
     assert np.array_equal(_served(store), rows_a)
     assert not any(p.exists() for p in leftovers)

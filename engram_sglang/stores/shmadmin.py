@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
-from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, sidecars
+from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, scan, sidecars
 
 def holders(path: Path) -> Optional[list[int]]:
     """PIDs holding a copy (its `.users` flocks, from /proc/locks); None when that is unknown."""
@@ -36,16 +36,9 @@ def holders(path: Path) -> Optional[list[int]]:
 def list_copies(directory: Path) -> list[dict]:
     """The shared copies in `directory` and the leftovers of fills, for `engram-sglang shm ls`."""
     out = []
-    for name in sorted(os.listdir(directory)):
-        m, t = NAME.match(name), _TMP.match(name)
-        if m is None and t is None:
-            continue
-        p = directory / name
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        entry = {"name": name, "bytes": st.st_size, "regular": stat.S_ISREG(st.st_mode)}
+    for p, st, match in scan(directory, NAME, _TMP):
+        m, t = (match, None) if match.re is NAME else (None, match)
+        entry = {"name": p.name, "bytes": st.st_size, "regular": stat.S_ISREG(st.st_mode)}
         copy = m if m is not None else NAME.match(t.group(1))
         # numa: the node the copy is bound to (node1), interleave, or "-" where it is not bound
         entry.update(identity=copy["identity"], layer=int(copy["layer"]), numa=copy["numa"] or "-")

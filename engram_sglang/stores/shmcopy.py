@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..errors import EngramError
 from ..fileio import kind_of
@@ -194,23 +194,31 @@ def allocated_bytes(path: Path) -> int:
     return total
 
 
+def scan(directory: Path, *patterns: re.Pattern) -> Iterator[tuple[Path, os.stat_result, re.Match]]:
+    """(path, lstat, match) of each entry of `directory`, in name order, whose name the first
+    of `patterns` that does matches; an entry gone between the listing and its lstat (another
+    server removed it) is skipped. The listing's OSError reaches the caller."""
+    for name in sorted(os.listdir(directory)):
+        m = next((m for m in (p.match(name) for p in patterns) if m is not None), None)
+        if m is None:
+            continue
+        path = directory / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        yield path, st, m
+
+
 def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]:
     """Remove `.tmp.PID` files of crashed fills: those of `own` whatever their PID (the caller
     holds own's lock, under which every fill of it runs), others whose PID is dead."""
     removed = []
     try:
-        names = os.listdir(directory)
+        found = list(scan(directory, _TMP))
     except OSError:
         return removed
-    for name in names:
-        m = _TMP.match(name)
-        if m is None:
-            continue
-        p = directory / name
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
+    for p, st, m in found:
         if st.st_uid != os.geteuid():
             continue
         if (own is None or m.group(1) != own.name) and _pid_alive(int(m.group(2))):
