@@ -119,10 +119,13 @@ class Server:
         schedulers to exit, so their exit work runs (the last server to leave removes the
         node's shared host copy, stores/shmcopy.py). A SIGTERM to the whole group at once
         kills the schedulers before they release anything. What is still alive after
-        `timeout` gets SIGTERM, then SIGKILL, as a group."""
+        `timeout` gets SIGTERM, then SIGKILL, as a group. Then the /dev/shm files SGLang
+        leaves behind even on its graceful path (`_UPSTREAM_SHM`) are removed, those its
+        processes held only."""
         if self.proc is None:
             return
         pgid = self.proc.pid
+        leftovers = _upstream_shm_of(_group_members(pgid))  # named now: the group is gone after
         self.proc.send_signal(signal.SIGTERM)  # a no-op once the process has been reaped
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and _group_alive(pgid):
@@ -141,6 +144,7 @@ class Server:
                 break
         self.proc.wait(timeout=10)
         self.proc = None
+        _remove_upstream_shm(leftovers)
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -172,6 +176,46 @@ class Server:
         info = self.get("/server_info")
         states = info.get("internal_states") or [{}]
         return states[0].get("engram", {})
+
+
+# /dev/shm files SGLang 0.5.23 makes and never removes on its own graceful stop: it ends its
+# schedulers by SIGKILL (kill_process_tree), so the message queue of a TP group
+# (sgl_shm_mq_<pid>_*, 24 MiB each, unlinked only by its creator's __del__) stays, and the
+# load-snapshot file (sglang_loads_*.shm) is never unlinked at all. Upstream sweeps them
+# only in its own CI (sglang/srt/utils/stale_shm_cleanup.py).
+_UPSTREAM_SHM = ("sgl_shm_", "sglang_loads_")
+_SHM = Path("/dev/shm")
+
+
+def _upstream_shm_of(pids) -> set[Path]:
+    """The upstream /dev/shm files these processes hold open or mapped: this server's own,
+    never another server's (a name is removed only if one of its processes held it)."""
+    held = set()
+    for pid in pids:
+        links = []
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                links += [line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6]
+        except OSError:
+            continue  # gone, or not ours to read
+        for link in links:
+            path = Path(link.removesuffix(" (deleted)"))
+            if path.parent == _SHM and path.name.startswith(_UPSTREAM_SHM):
+                held.add(path)
+    return held
+
+
+def _remove_upstream_shm(paths) -> None:
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass  # its creator removed it after all
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,0 +1,66 @@
+"""Server.stop leaves no /dev/shm file of SGLang's behind (seconds, no SGLang).
+
+SGLang 0.5.23's graceful stop ends its schedulers by SIGKILL: a TP group's message queue
+(sgl_shm_mq_<pid>_*) stays, and the load-snapshot file (sglang_loads_*.shm) is never
+unlinked; 244 of them had piled up after one session's tests. A stand-in process group
+(a main process and a "scheduler" child) makes such files, holds them mapped or open and
+dies without removing them; stop removes those, and only those."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engram_sglang.serving.launch import Server
+
+SHM = Path("/dev/shm")
+
+# One process of the group: makes `name` (formatted with its pid), holds it mapped and open
+# (as SGLang's MessageQueue and ShmLoadSnapshotWriter do), says so, then waits; SIGTERM kills
+# it where it stands (as SIGKILL does a scheduler), so nothing is unlinked.
+HOLDER = """
+import mmap, os, sys, time
+path = "/dev/shm/" + sys.argv[1].format(pid=os.getpid())
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+if sys.argv[2] == "closed":
+    os.close(fd)  # mapped only: found in /proc/PID/maps
+print(path, flush=True)
+if len(sys.argv) > 3:
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[3], *sys.argv[4:]], stdout=sys.stdout)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
+def test_stop_removes_the_shm_files_sglang_leaves_and_no_other(tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    loads = f"sglang_loads_test{tag}_{{pid}}.shm"
+    mq = "sgl_shm_mq_{pid}_" + tag
+    # Same families, not held by the server's processes: another server's, which stay.
+    others = [SHM / f"sgl_shm_mq_{os.getpid()}_{tag}x", SHM / f"sglang_loads_test{tag}_other.shm"]
+    for path in others:
+        path.write_bytes(b"x")
+    server = Server(tmp_path, log_path=tmp_path / "unused.log")  # only its stop is used
+    server.proc = subprocess.Popen([sys.executable, "-c", HOLDER, loads, "open", HOLDER, mq, "closed"],
+                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        made = [Path(server.proc.stdout.readline().strip()) for _ in range(2)]
+        assert all(p.exists() for p in made), made
+        server.stop(timeout=5)
+        left = [p for p in made if p.exists()]
+        assert left == [], f"left in /dev/shm after stop: {left}"
+        assert all(p.exists() for p in others)  # never another server's
+    finally:
+        if server.proc is not None:
+            os.killpg(server.proc.pid, 9)
+            server.proc.wait()
+        for path in others + [p for p in SHM.glob(f"*{tag}*")]:
+            path.unlink(missing_ok=True)
