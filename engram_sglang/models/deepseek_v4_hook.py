@@ -259,6 +259,7 @@ def patch_deepseek_v4(module) -> None:
     def load_weights(original, self, weights, *args, **kwargs):
         embeds = [m for m in self.modules() if isinstance(m, StoreEngramEmbedding)]
         if embeds:
+            check_late_layer_tail(getattr(self, "model", None), embeds)  # before 286 GiB of weights
             weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
         out = original(self, weights, *args, **kwargs)
         hasher = getattr(getattr(self, "model", None), "engram_hasher", None)
@@ -267,3 +268,25 @@ def patch_deepseek_v4(module) -> None:
         return out
 
     wrap_method(module.DeepseekV4ForCausalLM, "load_weights", load_weights)
+
+
+def check_late_layer_tail(model, embeds) -> None:
+    """Decoder SWA bounded replay (upstream's default on CUDA and HIP) runs the layers from
+    `late_layer_start` on over each request's last tokens only: an Engram layer there is
+    handed `tail.rows(hash_ids)`, a subset of the step's ids, which the runtime gathers as
+    they come, so Engram modes are not applied to them (a token with Engram off would read
+    real rows there). Refused in one line, as for a context-parallel slice. (Upstream's CUDA
+    tail graph asserts that no Engram layer is in the tail; HIP has no tail graph.)"""
+    from ..serving.modes import modes_in_use
+
+    late = getattr(model, "late_layer_start", None)
+    if late is None:
+        return
+    runtime = embeds[0].runtime
+    tail = sorted(e.layer_id for e in embeds if e.layer_id >= late)
+    if tail and modes_in_use(runtime.settings):
+        e = EngramError(f"Engram modes (--engram-mode, --engram-ablation) are not applied to the late-layer tail of "
+                        f"decoder SWA bounded replay (layers from {late} on), where Engram layer(s) {tail} run: start "
+                        f"SGLang with --no-enable-decoder-swa-bounded-replay, or without Engram modes")
+        logger.error("engram-sglang: %s", e)
+        raise e
