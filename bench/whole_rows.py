@@ -96,24 +96,9 @@ def hit_rates(budgets, tps, steps: int, reads_per_row: float, vocab: int) -> tup
 
 
 def _replay(trace, capacity: int, rng_range) -> float:
-    """Hit rate of a RowDirectory of `capacity` rows (the store's policy, cold) over the reads
-    of the ids in `rng_range` (None: all), as HotRowCache does: other ids look up as -1."""
-    d = RowDirectory(capacity, ways=16)
-    hits = reads = 0
-    for s, ids in enumerate(trace):
-        flat = ids.reshape(-1)
-        if rng_range is not None:
-            lo, hi = rng_range
-            mine = (flat >= lo) & (flat < hi)
-            flat = torch.where(mine, flat, -1)
-            reads += int(mine.sum())
-        else:
-            reads += flat.numel()
-        hit, _ = d.lookup(flat)
-        hits += int(hit.sum())
-        if (s + 1) % 8 == 0:
-            d.maintain()
-    return hits / max(1, reads)
+    """Hit rate of a RowDirectory of `capacity` rows (the store's policy, cold, every step
+    counted) over the reads of the ids in `rng_range` (None: all): the planner's replay."""
+    return whole_rows.replay_hits(trace, RowDirectory(capacity, ways=16), rng_range)
 
 
 def bit_identical(tps) -> dict:

@@ -164,7 +164,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DRAM row cache per rank, all layers (--engram-disk-dram-cache-mib / 1024; default 0)")
     d.add_argument("--trace", default=None, metavar="FILE",
                    help="an engram-sglang profile --trace file, replayed through the caches for the hit rate "
-                        "(default: an assumed curve, labelled)")
+                        "(default: an assumed curve, labelled); with --placement host and --cache-gib, each "
+                        "layout's hot-row cache hit rate for whole rows vs shard")
     d.add_argument("--lead-ms", type=float, default=None,
                    help="a decode step's time before the first Engram layer, which prefetched reads hide behind "
                         "(default: the model's facts, labelled)")

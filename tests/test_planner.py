@@ -351,6 +351,47 @@ def test_whole_rows_or_shard_per_sku_from_the_bytes():
     assert half["host_bytes_added"] == full["host_bytes_added"] / 2
 
 
+def test_a_hot_row_cache_hits_each_layout_at_its_own_rate_and_moves_the_pick():
+    """The same HBM per GPU covers 1/TP of the table thinly with whole rows and a shard TP x as
+    thickly: the planner weighs each layout at its own hit rate (no --trace: the default curve
+    at the cache's share and at TP x it), which moves H200 TP 8 from sharded to whole."""
+    from engram_sglang.planning import disk as disk_model
+
+    picks = {}
+    for gib in (0, 1):
+        p = plan(model="deepseek-v4.1-flash", gpu="H200", tp=8, placement="host", hot_cache_gib=gib)
+        r = p["rows_per_rank"]
+        share = gib * GIB / p["tables"]["total_bytes"]
+        assert r["hit_rates"] == {"whole": disk_model.default_hit_rate(share),
+                                  "sharded": disk_model.default_hit_rate(8 * share)}
+        d = r["phases"]["decode"]
+        raw = d["tokens"] * 48 * p["host_link"]["lines_per_row"] * 64
+        assert d["host_bytes_whole"] == int(raw * (1 - r["hit_rates"]["whole"]))
+        assert d["host_bytes_shard"] == int(raw / 8 * (1 - r["hit_rates"]["sharded"]))
+        picks[gib] = r["recommend"]
+        if gib:
+            assert r["hit_rates"]["sharded"] > r["hit_rates"]["whole"] > 0 and "assumption" in r["hit_rate_source"]
+            assert "hot-row cache hits: whole" in format_text(p)
+    assert picks == {0: "sharded", 1: "whole"}
+
+
+def test_a_trace_gives_each_layouts_hit_rate_by_replay(tmp_path):
+    """plan --placement host --trace: each layout's hit rate replayed through the hot-row
+    cache's own directory (a shard's cache sees rank 0's ids only); on a skewed trace the
+    shard's cache hits more; without a cache, no hits either way."""
+    model, cfg = small_model(tmp_path)
+    path = disk_plan.write_trace(tmp_path / "t.npz", cfg.fingerprint(), zipf_trace(cfg, steps=40), {"streams": 32})
+    table_gib = plan(model=str(model), gpu="H200", tp=4, placement="host")["tables"]["total_bytes"] / GIB
+    r = plan(model=str(model), gpu="H200", tp=4, placement="host", trace=str(path), batch=32,
+             hot_cache_gib=table_gib * 0.02)["rows_per_rank"]
+    assert 0 < r["hit_rates"]["whole"] < r["hit_rates"]["sharded"] <= 1, r["hit_rates"]
+    assert "replay of" in r["hit_rate_source"] and "rank 0" in r["hit_rate_source"]
+    none = plan(model=str(model), gpu="H200", tp=4, placement="host", trace=str(path))["rows_per_rank"]
+    assert none["hit_rates"] == {"whole": 0.0, "sharded": 0.0}
+    with pytest.raises(PlannerError, match="--trace also plans the host placement"):
+        plan(model=str(model), gpu="H200", tp=4, placement="device", trace=str(path))
+
+
 # ------------------------------------------------------------------ disk placement: when SSD pays
 from engram_sglang.planning import disk as disk_plan  # noqa: E402
 

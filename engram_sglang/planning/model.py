@@ -171,10 +171,11 @@ class Planner:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
         disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
                                      inputs.dram_cache_gib)
-        if inputs.placement != "disk" and (inputs.disk_iops is not None or inputs.measure_disk or inputs.trace
-                                           or inputs.dram_cache_gib):
+        disk_only = inputs.disk_iops is not None or inputs.measure_disk or inputs.dram_cache_gib
+        if inputs.placement != "disk" and (disk_only or (inputs.trace and inputs.placement != "host")):
             raise PlannerError(f"--disk-iops, --measure-disk, --trace and --dram-cache-gib plan the disk placement; got "
-                               f"--placement {inputs.placement} (pass --placement disk)")
+                               f"--placement {inputs.placement} (pass --placement disk; --trace also plans the host "
+                               f"placement's whole rows vs shard)")
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -334,11 +335,29 @@ class Planner:
 
     def rows_per_rank(self, tp: int) -> dict[str, Any]:
         """Host placement with one shared copy per node: whole rows per rank (no all-reduce,
-        TP-fold host-link bytes) or a shard + all-reduce, per step (planning/whole_rows.py)."""
+        TP-fold host-link bytes) or a shard + all-reduce, per step (planning/whole_rows.py), with
+        the hot-row cache (--cache-gib) at each layout's hit rate: the same HBM covers a 1/TP
+        shard 1/TP as thinly, so a shard's cache hits more."""
+        inp = self.inputs
+        hot = int(round(inp.hot_cache_gib * GIB))
+        if not hot or tp == 1:
+            rates, source = {"whole": 0.0, "sharded": 0.0}, "no hot-row cache" if not hot else "TP 1: one layout"
+        elif inp.trace is not None:
+            trace, _ = disk_model.read_trace(inp.trace, self.cfg.fingerprint())
+            rates = whole_rows.traced_layout_hit_rates(trace, dict(zip(self.cfg.layer_ids, self.rows)), hot, tp,
+                                                       inp.batch, inp.warm_steps)
+            source = (f"replay of {inp.trace} (first {inp.batch} streams) through the hot-row cache's RowDirectory: "
+                      f"whole rows over every id, a shard over rank 0's")
+        else:
+            rates = whole_rows.layout_hit_rates(hot / self.table_bytes, tp)
+            source = ("assumption (no --trace): planning/disk.py's default curve, whole rows at the cache's share of "
+                      "the table, a shard at TP x that share")
         out = whole_rows.compare(
             tokens_by_phase={"decode": DECODE_BATCH, "prefill": PREFILL_CHUNK}, layers=self.cfg.n_layers,
             columns=self.cfg.hash_columns, head_dim=self.cfg.head_dim, lines_per_row=lines_per_row(self.row_bytes),
-            tp=tp, host_gbps=self.gpu.host_link_gbps, gpu_gbps=self.gpu.gpu_link_gbps)
+            tp=tp, host_gbps=self.gpu.host_link_gbps, gpu_gbps=self.gpu.gpu_link_gbps, hit_rate=rates["whole"],
+            shard_hit_rate=rates["sharded"])
+        out["hit_rates"], out["hit_rate_source"] = rates, source
         out["gpu_link"] = self.gpu.gpu_link
         out["gpu_link_gbps"] = self.gpu.gpu_link_gbps
         return out
@@ -398,7 +417,9 @@ class Planner:
             f"whole rows vs shard: a ring all-reduce of bf16 rows sends 2(TP-1)/TP of them per GPU at the GPU link's "
             f"peak ({self.gpu.gpu_link or 'unknown'}, {self.gpu.gpu_link_gbps or 0:g} GB/s per direction, "
             f"configs/gpus.json) plus {whole_rows.ALLREDUCE_LATENCY_S * 1e6:g} us per all-reduce (assumption); "
-            f"no hot-row cache; measured trade-off in bench/whole_rows.py"
+            f"a hot-row cache (--cache-gib) hits per layout as --trace replays (whole rows over every id, a shard over "
+            f"rank 0's), else as planning/disk.py's default curve at the cache's share of the table (whole) and TP x it "
+            f"(sharded), an assumption; measured trade-off in bench/whole_rows.py"
         )
         return out
 

@@ -117,6 +117,9 @@ def _rows_per_rank(p: dict) -> list[str]:
         lines.append(f"  {phase + ' (' + str(v['tokens']) + ' tokens)':<38}all-reduce -{v['collective_bytes_removed'] / 1e6:.2f} MB"
                      f"{'' if removed is None else f' ({removed * 1e6:,.0f} us)'}, host link "
                      f"+{v['host_bytes_added'] / 1e6:.2f} MB ({v['host_seconds_added'] * 1e6:,.0f} us) per GPU")
+    if any(r["hit_rates"].values()):
+        lines.append(f"  hot-row cache hits: whole {r['hit_rates']['whole']:.1%}, sharded {r['hit_rates']['sharded']:.1%} "
+                     f"({r['hit_rate_source']})")
     lines.append(f"  recommend: {r['recommend'] or 'unknown'} ({r['reason']})")
     if p["host_layout"] != "shared" and r["recommend"] == "whole":
         lines.append("  (whole rows need the shared layout: --engram-host-shared on)")

@@ -131,3 +131,59 @@ def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0
     if r["recommend"] is None:
         return True, f"{sku.key}: {r['reason']}"
     return r["recommend"] == "whole", f"{sku.key} ({device_name}): {r['reason']}"
+
+
+def replay_hits(steps, directory, shard: Optional[tuple[int, int]] = None, warm_steps: int = 0,
+                maintain_every: int = 8) -> float:
+    """Hit rate of a hot-row cache's RowDirectory (`directory`, cold) over one layer's ids per
+    decode step (`steps`: [steps, ...] ids), maintained every `maintain_every` steps as the
+    store does: with `shard` (lo, hi) only that rank's ids reach it, the others look up as -1
+    as HotRowCache's do, and the rate is over the shard's reads; the first `warm_steps` steps
+    only warm it."""
+    import torch
+
+    hits = reads = 0
+    for s, ids in enumerate(steps):
+        flat = torch.as_tensor(ids).reshape(-1)
+        n = flat.numel()
+        if shard is not None:
+            mine = (flat >= shard[0]) & (flat < shard[1])
+            flat = torch.where(mine, flat, -1)
+            n = int(mine.sum())
+        hit, _ = directory.lookup(flat)
+        if s >= warm_steps:
+            hits += int(hit.sum())
+            reads += n
+        if (s + 1) % maintain_every == 0:
+            directory.maintain()
+    return hits / max(1, reads)
+
+
+def traced_layout_hit_rates(trace: dict, rows: dict, hot_bytes: int, tp: int, batch: int,
+                            warm_steps: Optional[int] = None) -> dict[str, float]:
+    """Each layout's hit rate on a `profile --trace` (layer id -> ids [steps, streams,
+    columns], the first `batch` streams), a hot-row cache of `hot_bytes` per GPU split over
+    the layers by rows as HotRowCache splits it and sized as it sizes itself: whole rows, one
+    directory per layer over every id; sharded, over rank 0's shard of each layer. Reads of
+    all layers together; the first half of the steps warm the caches unless `warm_steps`."""
+    from ..stores.base import shard_range, split_by_rows
+    from .disk import _hot_cache
+
+    share = split_by_rows(hot_bytes, rows)
+    out = {}
+    for layout in ("whole", "sharded"):
+        hits = reads = 0.0
+        for L, ids in trace.items():
+            if L not in rows:
+                continue
+            steps = ids[:, :batch]
+            warm = steps.shape[0] // 2 if warm_steps is None else warm_steps
+            shard = shard_range(rows[L], 0, tp) if layout == "sharded" else None
+            held = rows[L] if shard is None else shard[1] - shard[0]
+            n = steps[warm:].size if shard is None else int(((steps[warm:] >= shard[0]) & (steps[warm:] < shard[1])).sum())
+            reads += n
+            directory = _hot_cache(held, share[L])
+            if directory is not None:  # None: too small a cache for one set, no hits
+                hits += replay_hits(steps, directory, shard, warm) * n
+        out[layout] = hits / reads if reads else 0.0
+    return out
