@@ -8,8 +8,9 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from demo_support import reference, table_dir
 from engram_sglang.demo_corpus import demo_corpus
@@ -83,3 +84,25 @@ def table_rows() -> dict[int, int]:
     """Layer id -> rows of the demo model's table."""
     manifest = json.loads((table_dir() / "manifest.json").read_text())
     return {entry["layer_id"]: entry["rows"] for entry in manifest["layers"]}
+
+
+def serve_and_collect(server: Server, shm: Path, prompts: Sequence[list[int]], new_tokens: int,
+                      stats_files: str = "") -> dict:
+    """Run `server` and send every prompt at once (SGLang's DP controller hands them to the
+    replicas in turn; the TP ranks of a replica share each step). Collected: each prompt's
+    output ids, the files in `shm` and which processes map them while it serves, the Engram
+    statistics of every /server_info entry (one per DP replica), the `--engram-stats-file`
+    files matching the glob `stats_files` (name -> JSON), and the files in `shm` after it stops."""
+    run = {"prompts": list(prompts)}
+    with server:
+        with ThreadPoolExecutor(len(run["prompts"])) as pool:
+            outs = pool.map(lambda p: server.generate(p, new_tokens), run["prompts"])
+            run["outputs"] = [o["output_ids"] for o in outs]
+        run["files"] = copies(shm)
+        run["maps"] = mapped_copies(server.proc.pid, shm)
+        run["states"] = [s.get("engram", {}) for s in server.get("/server_info")["internal_states"]]
+    if stats_files:
+        found = Path(stats_files).parent.glob(Path(stats_files).name)
+        run["stats_files"] = {p.name: json.loads(p.read_text()) for p in sorted(found)}
+    run["left"] = copies(shm)
+    return run

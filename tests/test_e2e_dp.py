@@ -10,13 +10,11 @@ sees its own files only.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from demo_support import demo_dir, reference_completion
 from engram_sglang.serving.launch import Server
-from parallel_support import check_one_copy_per_layer, copies, mapped_copies, private_shm_dir, prompts, table_rows, \
+from parallel_support import check_one_copy_per_layer, private_shm_dir, prompts, serve_and_collect, table_rows, \
     thread_bind
 
 pytestmark = pytest.mark.slow
@@ -27,21 +25,11 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("dp")
-    run = {"prompts": prompts()}
     with private_shm_dir("engram-test-dp-") as shm:
-        server = Server(demo_dir(), engram={"placement": "host", "host_shared": "on", "shm_dir": shm},
-                        args=("--dp-size", "2"), max_total_tokens=1024, log_path=work / "sglang.log",
-                        env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()})
-        with server:
-            # Sent at once: SGLang's DP controller hands them to the two ranks in turn.
-            with ThreadPoolExecutor(len(run["prompts"])) as pool:
-                outs = pool.map(lambda p: server.generate(p, NEW_TOKENS), run["prompts"])
-                run["outputs"] = [o["output_ids"] for o in outs]
-            run["files"] = copies(shm)
-            run["maps"] = mapped_copies(server.proc.pid, shm)
-            run["states"] = server.get("/server_info")["internal_states"]
-        run["left"] = copies(shm)
-    return run
+        engram = {"placement": "host", "host_shared": "on", "shm_dir": shm, "stats_file": work / "stats.json"}
+        server = Server(demo_dir(), engram=engram, args=("--dp-size", "2"), max_total_tokens=1024,
+                        log_path=work / "sglang.log", env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()})
+        return serve_and_collect(server, shm, prompts(), NEW_TOKENS, stats_files=str(work / "stats*.json"))
 
 
 def test_dp2_completions_equal_the_reference(dp_run):
@@ -53,9 +41,13 @@ def test_dp2_serves_one_shared_copy_per_layer_that_both_ranks_map(dp_run):
 
 
 def test_dp2_statistics_of_both_ranks(dp_run):
-    states = dp_run["states"]
-    assert len(states) == 2 and all("engram" in s for s in states), states
-    engram = [s["engram"] for s in states]
+    engram = dp_run["states"]
+    assert len(engram) == 2 and all(engram), engram
+    # Each entry names its replica; each replica keeps its own stats file (serving/ranks.py).
+    assert sorted((s["dp_rank"], s["dp_size"], s["tp_rank"], s["tp_size"]) for s in engram) == [(0, 2, 0, 1), (1, 2, 0, 1)]
+    files = dp_run["stats_files"]
+    assert sorted(files) == ["stats.tp0.dp0.json", "stats.tp0.dp1.json"], files
+    assert all(f["dp_rank"] == int(name[len("stats.tp0.dp")]) for name, f in files.items()), files
     rows = table_rows()
     for stats in engram:
         assert stats["placement"] == "host" and stats["tokens"] > 0, stats

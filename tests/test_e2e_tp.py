@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from demo_support import demo_dir, reference, reference_completion
 from engram_sglang.serving.launch import Server
-from parallel_support import GLOO_PLATFORM_DIR, check_one_copy_per_layer, copies, mapped_copies, private_shm_dir, \
-    prompts, table_rows, thread_bind, use_gloo_platform
+from parallel_support import GLOO_PLATFORM_DIR, check_one_copy_per_layer, private_shm_dir, prompts, \
+    serve_and_collect, table_rows, thread_bind, use_gloo_platform
 
 pytestmark = pytest.mark.slow
 
@@ -32,22 +31,17 @@ N_PROMPTS = 4
 
 def serve_tp2(tmp_path_factory, layout: str) -> dict:
     """One TP 2 server with host placement (`layout`: private copies or the shared one): its
-    completions, the shared copies while it serves and after, and rank 0's statistics."""
+    completions, the shared copies while it serves and after, rank 0's statistics (/server_info)
+    and both ranks' (their stats files)."""
     work = tmp_path_factory.mktemp(f"tp-{layout}")
-    run = {"prompts": prompts(N_PROMPTS)}
     with private_shm_dir(f"engram-test-tp-{layout}-") as shm:
-        engram = {"placement": "host", "shm_dir": shm, "host_shared": "on" if layout == "shared" else "off"}
+        engram = {"placement": "host", "shm_dir": shm, "host_shared": "on" if layout == "shared" else "off",
+                  "stats_file": work / "stats.json"}
         server = use_gloo_platform(Server(demo_dir(), engram=engram, args=("--tp-size", "2"), max_total_tokens=1024,
                                           log_path=work / "sglang.log",
                                           env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()}))
-        with server:
-            with ThreadPoolExecutor(len(run["prompts"])) as pool:
-                outs = pool.map(lambda p: server.generate(p, NEW_TOKENS), run["prompts"])
-                run["outputs"] = [o["output_ids"] for o in outs]
-            run["files"] = copies(shm)
-            run["maps"] = mapped_copies(server.proc.pid, shm)
-            run["stats"] = server.engram_stats()
-        run["left"] = copies(shm)
+        run = serve_and_collect(server, shm, prompts(N_PROMPTS), NEW_TOKENS, stats_files=str(work / "stats*.json"))
+    run["stats"] = run["states"][0]
     return run
 
 
@@ -84,11 +78,18 @@ def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private
     other part too: their exact completions (above) needed rank 1's rows, i.e. the sum."""
     rows = table_rows()
     assert private_run["files"] == [] and private_run["maps"] == {}, (private_run["files"], private_run["maps"])
+    # /server_info answers for TP rank 0; each rank writes its own stats file, labelled.
+    assert (private_run["stats"]["tp_rank"], private_run["stats"]["tp_size"]) == (0, 2)
+    files = private_run["stats_files"]
+    assert sorted(files) == ["stats.tp0.dp0.json", "stats.tp1.dp0.json"], files
+    assert [files[f"stats.tp{r}.dp0.json"]["tp_rank"] for r in (0, 1)] == [0, 1]
     ref = reference()
     for i, layer in enumerate(ref.engram.layer_ids):
         table = next(t for t in private_run["stats"]["tables"] if t["layer_id"] == layer)
         lo, hi = table["row_range"]
         assert lo == 0 and 0 < hi < rows[layer] and not table["shared"], table
+        rank1 = next(t for t in files["stats.tp1.dp0.json"]["tables"] if t["layer_id"] == layer)
+        assert rank1["row_range"] == [hi, rows[layer]], rank1  # the other half: rank 1's own file
         ids = [int(x) for p in private_run["prompts"] for x in ref.forward(p).hash_ids[:, i].flatten()]
         assert any(x >= hi for x in ids) and any(x < hi for x in ids)
 

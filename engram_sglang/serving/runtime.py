@@ -29,6 +29,7 @@ from ..rowformat import row_checksums
 from ..stores import maintenance
 from ..stores.base import TableIOError
 from .modes import SLOTS
+from .ranks import rank_labels, stats_path
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,10 @@ class EngramRuntime:
         self._off_tokens = 0  # tokens with Engram off (serving/modes.py): they read no rows
         self._forward_seconds = self._engram_seconds = self._wait_seconds = 0.0
         self._layer_seconds, self._layer_calls = 0.0, 0
-        self._stats_path = Path(settings.stats_file) if settings.stats_file else None
+        # Which rank this is (SGLang's ranks where it publishes them): every statistics entry
+        # and the stats file carry it, one file per rank (serving/ranks.py).
+        self.rank_labels = rank_labels(tp_rank, tp_size)
+        self._stats_path = stats_path(settings.stats_file, self.rank_labels) if settings.stats_file else None
         self._stats_written = 0.0
         self._open_step: Optional[EngramStep] = None
         self._current: Optional[EngramStep] = None
@@ -431,6 +435,7 @@ class EngramRuntime:
         with self._lock:
             steps = max(self._steps, 1)
             out = {
+                **self.rank_labels,  # tp_rank, tp_size, dp_rank, dp_size, attn_dp_rank, attn_cp_rank
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
                 "prefetch": self.settings.prefetch,
