@@ -122,6 +122,9 @@ class HostStore(_WholeTableStore):
                     "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
                     layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1,
                 )
+        if shared and spec is None:
+            # The private fallback holds this rank's rows only: bound by their size, not the layer's.
+            self.binding = numa_mod.choose(numa, self.device, (hi - lo) * ROW_BYTES)
         first, last = (0, rows) if spec is not None else (lo, hi)
         if whole_rows and spec is not None:
             # The node's copy holds the whole layer: this rank reads the whole rows of its own
