@@ -44,7 +44,8 @@ def test_dp2_statistics_of_both_ranks(dp_run):
     engram = dp_run["states"]
     assert len(engram) == 2 and all(engram), engram
     # Each entry names its replica; each replica keeps its own stats file (serving/ranks.py).
-    assert sorted((s["dp_rank"], s["dp_size"], s["tp_rank"], s["tp_size"]) for s in engram) == [(0, 2, 0, 1), (1, 2, 0, 1)]
+    ranks = sorted((s["dp_rank"], s["dp_size"], s["tp_rank"], s["tp_size"]) for s in engram)
+    assert ranks == [(0, 2, 0, 1), (1, 2, 0, 1)], ranks
     files = dp_run["stats_files"]
     assert sorted(files) == ["stats.tp0.dp0.json", "stats.tp0.dp1.json"], files
     assert all(f["dp_rank"] == int(name[len("stats.tp0.dp")]) for name, f in files.items()), files

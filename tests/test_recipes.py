@@ -62,6 +62,17 @@ def test_recipe_fits_the_plan(path, recipe):
         assert settings.host_shared == (layout == "shared")
     assert settings.cache_mib == int(recipe["hot_cache_gib"] * 1024)
     settings.store_options()  # raises for a cache the placement cannot have
+    if recipe["placement"] == "host" and layout == "shared":
+        # --engram-host-whole-rows auto on the recipe's GPU serves the layout the plan recommends.
+        import torch
+
+        from engram_sglang.config import EngramConfig
+        from engram_sglang.serving.whole_rows_auto import resolve
+
+        sku = load_gpus()[gpu]
+        served = resolve(settings, EngramConfig.from_preset("deepseek-v4.1-flash"), recipe["tp"], torch.device("cpu"),
+                         device_name=sku.name).host_whole_rows
+        assert served == (p["rows_per_rank"]["recommend"] in ("whole", None)), (served, p["rows_per_rank"]["reason"])
     # One-line reason a reader can act on.
     assert recipe["reason"] and "\n" not in recipe["reason"] and len(recipe["reason"]) < 240
 

@@ -180,7 +180,8 @@ def traced_layout_hit_rates(trace: dict, rows: dict, hot_bytes: int, tp: int, ba
             warm = steps.shape[0] // 2 if warm_steps is None else warm_steps
             shard = shard_range(rows[L], 0, tp) if layout == "sharded" else None
             held = rows[L] if shard is None else shard[1] - shard[0]
-            n = steps[warm:].size if shard is None else int(((steps[warm:] >= shard[0]) & (steps[warm:] < shard[1])).sum())
+            counted = steps[warm:]
+            n = counted.size if shard is None else int(((counted >= shard[0]) & (counted < shard[1])).sum())
             reads += n
             directory = _hot_cache(held, share[L])
             if directory is not None:  # None: too small a cache for one set, no hits
