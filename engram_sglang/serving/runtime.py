@@ -363,15 +363,22 @@ class EngramRuntime:
         if self._trace is not None and self.tp_rank == 0 and step.hash_ids.shape[0]:
             self._trace.write(step, self.cfg.layer_ids)
 
+    def end_open_step(self) -> None:
+        """A step its model does not end (DeepSeek-V4.1's: upstream's forward) ends after the
+        forward, its Engram time the time its layers spent in the runtime. Called by
+        `maintenance.between_steps()` before any store maintains: a prefetch no layer waited
+        on (a layer the forward did not reach in Python) is then ordered before a hot-row
+        cache's admissions and evictions, not racing them on another stream."""
+        if self._open_step is not None:
+            self.end(self._open_step, self._open_step.engram_seconds, 0.0, 0)
+
     def between_steps(self, step: int) -> None:
         """Once per forward step, outside any graph (stores/maintenance.py): the stats file,
         at most every 0.2 s (the statistics read device counters: a host sync, which inside
         the forward would break a graph capture and count captures instead of replays).
-        A step still open here is one whose model does not end it (DeepSeek-V4.1's: upstream's
-        forward): it ends now, its Engram time the time its layers spent in the runtime."""
+        A step still open is ended before the stores' maintenance (`end_open_step`)."""
         self._forward_steps += 1
-        if self._open_step is not None:
-            self.end(self._open_step, self._open_step.engram_seconds, 0.0, 0)
+        self.end_open_step()
         now = time.perf_counter()
         if self._stats_path is not None and now - self._stats_written > 0.2:
             self._stats_written = now

@@ -88,6 +88,13 @@ def between_steps() -> int:
         _step += 1
         step = _step
         todo = list(_first) + list(_last)
+        readers = list(_last)
+    # A step its model left open ends first (EngramRuntime.end_open_step): every prefetch of
+    # it is ordered before the stores' admissions and evictions below.
+    for p in readers:
+        end = getattr(p, "end_open_step", None)
+        if end is not None:
+            end()
     for p in todo:
         p.between_steps(step)
     return step
