@@ -19,7 +19,6 @@ import mmap
 from typing import Optional
 
 import numpy as np
-
 import torch
 
 from ..rowformat import ROW_BYTES, ROW_VALUES, dequantize
