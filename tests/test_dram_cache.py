@@ -384,3 +384,61 @@ def test_frequency_admission_beats_lru_on_a_skewed_trace():
         rates[admission] = hits / looked
         cache.close()
     assert rates["frequency"] >= rates["lru"] + 0.03, rates
+
+
+def test_the_native_step_counts_as_the_numpy_path_up_to_saturation_and_through_agings(tables):
+    """The sketch's 4-bit counters, two to a byte, in engram_dram_policy.h and dram_cache.py:
+    rows read in every call saturate at 15 (both nibbles of a byte), agings halve each nibble
+    on its own, and the two paths keep the same cache state after every call."""
+    root, rows = tables
+    L = CFG.layer_ids[0]
+    native = open_store(root, "disk", cfg=CFG, dram_cache_bytes=40 << 10)[L]
+    python = open_store(root, "disk", cfg=CFG, dram_cache_bytes=40 << 10)[L]
+    python.native_step = False
+    gen = np.random.default_rng(3)
+    hot = gen.choice(native.rows, 24, replace=False)
+    try:
+        top = 0
+        for k in range(120):
+            n = 8 if k < 60 else 150  # few ids a call first (counts climb before an aging), then many
+            ids = np.concatenate([hot, gen.integers(0, native.rows, n)])
+            gen.shuffle(ids)
+            ids = torch.from_numpy(ids)
+            assert torch.equal(bf16_bits(native.gather(ids)), bf16_bits(python.gather(ids)))
+            a, b = native.dram, python.dram
+            for x, y in zip((a.tags, a.last, a.count, a.sketch, a._state), (b.tags, b.last, b.count, b.sketch, b._state)):
+                assert np.array_equal(x, y), k
+            top = max(top, int(a.count.max()))
+        assert top == 15 and native.dram.agings >= 3
+        nibbles = np.concatenate([native.dram.sketch & 15, native.dram.sketch >> 4])
+        assert nibbles.max() <= 15 and (native.dram.sketch >> 4).any() and (native.dram.sketch & 15).any()
+        assert torch.equal(bf16_bits(native.gather(torch.from_numpy(hot))), bf16_bits(reference(rows[L], torch.from_numpy(hot))))
+    finally:
+        native.close()
+        python.close()
+
+
+def test_the_packed_sketch_counts_as_unpacked_4_bit_counters_would():
+    """Two counters to a byte: raising, saturating or halving one never touches its neighbour.
+    Reference: one uint8 per counter, capped at 15, np.maximum.at (the plain algorithm)."""
+    from engram_sglang.stores.dram_cache import SKETCH_DEPTH
+
+    cache = DramRowCache(8 * 2 * (ROW_BYTES + SLOT_OVERHEAD), ways=2)
+    ref = np.zeros(SKETCH_DEPTH * cache.sketch_width, dtype=np.uint8)
+    gen = np.random.default_rng(5)
+    top = 0
+    for _ in range(300):
+        # Three ids in every call (they saturate between agings), a few others: shared counters.
+        ids = np.unique(np.concatenate([[1, 2, 3], gen.integers(0, 40, 4)]))
+        where = cache._sketch_index(ids)
+        want = ref[where].min(0)
+        want = want + (want < 15).astype(np.uint8)
+        np.maximum.at(ref, where.reshape(-1), np.broadcast_to(want, where.shape).reshape(-1))
+        agings = cache.agings
+        assert np.array_equal(cache._count(ids), want)
+        if cache.agings > agings:
+            ref >>= 1
+        unpacked = np.stack([cache.sketch & 15, cache.sketch >> 4], axis=1).reshape(-1)
+        assert np.array_equal(unpacked, ref)
+        top = max(top, int(ref.max()))
+    assert cache.agings > 2 and top == 15

@@ -20,7 +20,7 @@ namespace engram_io {
 constexpr int64_t kSketchDepth = 4;
 constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D6478BD642Full,
                                                  0xE7037ED1A0B428DBull, 0x8EBC6AF09C88C6E3ull};
-constexpr int kCountCap = 255;
+constexpr int kCountCap = 15;  // 4-bit sketch counters, two to a byte (counter k in byte k / 2, odd: high nibble)
 constexpr int kClockBits = 48;
 constexpr int64_t kUsedNow = INT64_MAX;
 // Ids ahead whose cache lines are prefetched: a decode step's lookups touch ~7 random lines
@@ -43,7 +43,7 @@ struct DramCache {
     int64_t* tags;    // [slots], -1 empty
     int64_t* last;    // [slots], clock of the last use
     uint8_t* count;   // [slots]
-    uint8_t* sketch;  // [depth * width]
+    uint8_t* sketch;  // [depth * width / 2]: 4-bit counters
     int64_t* state;   // [kStateLen]
     int64_t slots, ways, sets, sketch_width, sample;
     int32_t frequency;  // 1: frequency admission, 0: LRU
@@ -70,11 +70,16 @@ inline void sketch_index(const DramCache& c, int64_t id, int64_t where[kSketchDe
     }
 }
 
+// DramRowCache._counters: the 4-bit counter at flat position k.
+inline uint8_t counter(const DramCache& c, int64_t k) {
+    return static_cast<uint8_t>((c.sketch[k >> 1] >> ((k & 1) << 2)) & 15);
+}
+
 inline uint8_t estimate(const DramCache& c, int64_t id) {
     int64_t where[kSketchDepth];
     sketch_index(c, id, where);
-    uint8_t m = c.sketch[where[0]];
-    for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, c.sketch[where[d]]);
+    uint8_t m = counter(c, where[0]);
+    for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, where[d]));
     return m;
 }
 
@@ -86,8 +91,8 @@ inline int64_t find_in(const DramCache& c, int64_t base, int64_t id) {
 }
 
 inline void age(DramCache& c) {
-    const int64_t n = kSketchDepth * c.sketch_width;
-    for (int64_t i = 0; i < n; ++i) c.sketch[i] >>= 1;
+    const int64_t n = kSketchDepth * c.sketch_width / 2;
+    for (int64_t i = 0; i < n; ++i) c.sketch[i] = static_cast<uint8_t>((c.sketch[i] >> 1) & 0x77);  // each nibble halved
     for (int64_t i = 0; i < c.slots; ++i) c.count[i] >>= 1;
     c.state[kSinceAging] = 0;
     c.state[kAgings] += 1;
@@ -95,30 +100,34 @@ inline void age(DramCache& c) {
 
 // DramRowCache._count: one read of each distinct id, conservative update; every new count is
 // computed from the counters as they were before this call (numpy's vectorized order), then
-// each counter takes the largest new count among the ids that share it (np.maximum.at).
+// each counter takes the largest of its value and the new counts of the ids that share it.
 inline void count_reads(DramCache& c, const int64_t* ids, int64_t n, uint8_t* counts) {
     std::vector<int64_t> where(static_cast<size_t>(n * kSketchDepth));
     for (int64_t i = 0; i < n; ++i) sketch_index(c, ids[i], where.data() + i * kSketchDepth);
     for (int64_t i = 0; i < n; ++i) {
         if (i + kPrefetchIds < n)
-            for (int64_t d = 0; d < kSketchDepth; ++d) __builtin_prefetch(c.sketch + where[(i + kPrefetchIds) * kSketchDepth + d]);
+            for (int64_t d = 0; d < kSketchDepth; ++d) __builtin_prefetch(c.sketch + (where[(i + kPrefetchIds) * kSketchDepth + d] >> 1));
         const int64_t* w = where.data() + i * kSketchDepth;
-        uint8_t m = c.sketch[w[0]];
-        for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, c.sketch[w[d]]);
+        uint8_t m = counter(c, w[0]);
+        for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, w[d]));
         counts[i] = static_cast<uint8_t>(m + (m < kCountCap ? 1 : 0));
     }
     for (int64_t i = 0; i < n; ++i)
         for (int64_t d = 0; d < kSketchDepth; ++d) {
-            uint8_t& s = c.sketch[where[static_cast<size_t>(i * kSketchDepth + d)]];
-            s = std::max(s, counts[i]);
+            const int64_t k = where[static_cast<size_t>(i * kSketchDepth + d)];
+            const int shift = static_cast<int>(k & 1) << 2;
+            uint8_t& s = c.sketch[k >> 1];
+            if (counts[i] > ((s >> shift) & 15)) s = static_cast<uint8_t>((s & (0xF0 >> shift)) | (counts[i] << shift));
         }
     c.state[kSinceAging] += n;
     if (c.state[kSinceAging] >= c.sample) age(c);
 }
 
 // DramRowCache.lookup of sorted distinct ids: slot[i] (or -1); marks hits used, counts reads.
-// Returns the number of hits.
-inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot) {
+// Returns the number of hits. found(i) runs as soon as slot[i] is known (before any read is
+// counted): the disk step issues the reads of the misses found so far while the rest is looked up.
+template <class Found>
+inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot, Found&& found) {
     const int64_t clock = ++c.state[kClock];
     c.state[kAhead] = 0;
     int64_t hits = 0;
@@ -136,6 +145,7 @@ inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot
             c.last[slot[i]] = clock;
             ++hits;
         }
+        found(i);
     }
     if (c.frequency && n > 0) {
         std::vector<uint8_t> counts(static_cast<size_t>(n));
@@ -146,6 +156,10 @@ inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot
     c.state[kLookups] += n;
     c.state[kHits] += hits;
     return hits;
+}
+
+inline int64_t lookup(DramCache& c, const int64_t* ids, int64_t n, int64_t* slot) {
+    return lookup(c, ids, n, slot, [](int64_t) {});
 }
 
 // One admission decided, not yet written: slot <- the src'th id (and row) of the call.
