@@ -6,6 +6,7 @@
 // whole process) and without -march: ISA variants come from target_clones, picked by the
 // loader on the machine that runs it.
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -96,20 +97,24 @@ inline int64_t id_at(const Job& j, int64_t r) {
     return static_cast<int64_t>(static_cast<const IdT*>(j.ids)[r]);
 }
 
+// The row kPrefetchAhead after r, every cache line of it (5 or 6: rows are 264 bytes apart).
+template <typename IdT>
+inline __attribute__((always_inline)) void prefetch_ahead(const Job& j, int64_t r, int64_t end) {
+    if (r + kPrefetchAhead >= end) return;
+    const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
+    if (!engram::id_in_range(pid, j.lo, j.hi)) return;
+    const char* p = reinterpret_cast<const char*>(j.table + (pid - j.lo) * kRowBytes);
+    for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(p + off);
+    __builtin_prefetch(p + kRowBytes - 1);
+}
+
 // Decoder PortableRows or Avx512Rows: a host row decode; else that decoder's general path.
 // Always inlined: each ISA clone below must hold its own copy of the loop (a called body is
 // compiled once, for the baseline ISA, and the clones would only jump to it).
 template <class Decoder, typename IdT>
 inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-        if (r + kPrefetchAhead < end) {
-            const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
-            if (engram::id_in_range(pid, j.lo, j.hi)) {
-                const char* p = reinterpret_cast<const char*>(j.table + (pid - j.lo) * kRowBytes);
-                for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(p + off);
-                __builtin_prefetch(p + kRowBytes - 1);
-            }
-        }
+        prefetch_ahead<IdT>(j, r, end);
         const int64_t id = id_at<IdT>(j, r);
         uint16_t* o = j.out + r * kRowValues;
         if (engram::id_in_range(id, j.lo, j.hi)) {
@@ -176,14 +181,7 @@ template <typename IdT>
 void rows_raw(const Job& j, int64_t begin, int64_t end) {
     uint8_t* out = reinterpret_cast<uint8_t*>(j.out);
     for (int64_t r = begin; r < end; ++r) {
-        if (r + kPrefetchAhead < end) {
-            const int64_t pid = id_at<IdT>(j, r + kPrefetchAhead);
-            if (engram::id_in_range(pid, j.lo, j.hi)) {
-                const char* p = reinterpret_cast<const char*>(j.table + (pid - j.lo) * kRowBytes);
-                for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(p + off);
-                __builtin_prefetch(p + kRowBytes - 1);
-            }
-        }
+        prefetch_ahead<IdT>(j, r, end);
         const int64_t id = id_at<IdT>(j, r);
         if (engram::id_in_range(id, j.lo, j.hi))
             memcpy(out + r * kRowBytes, j.table + (id - j.lo) * kRowBytes, kRowBytes);
@@ -215,11 +213,41 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
 }
 
 // ---------------------------------------------------------------- thread pool
-// A small persistent pool whose idle workers block on a condition variable. Not OpenMP: torch
-// ships its own libgomp, and two OpenMP runtimes spinning on two cores starve each other.
+// A small persistent pool whose idle workers block on a condition variable after a short spin.
+// Not OpenMP: torch ships its own libgomp, and two OpenMP runtimes spinning on two cores starve
+// each other (libgomp spins up to 300k rounds by default); this pool spins for kSpinNs at most.
 constexpr int64_t kGrainRows = 64;      // ~50 KB moved per task
 static_assert(kGrainRows % kEmuRowsPerBlock == 0, "tasks hold whole emulated blocks");
 constexpr int64_t kSerialRows = 128;    // below this, threads cost more than they give
+
+// How long a worker that ran out of tasks, and a caller waiting for its workers' last tasks,
+// spin before they block. A futex wake-up costs 10-50 us on a VM (an inter-processor interrupt
+// to an idle vCPU), a third of a decode-shaped call (~6k rows, ~150 us on two threads): a
+// call that follows within kSpinNs (the next layer's, a Python op call's ~10 us apart) finds
+// the workers awake, and the caller's wait for the last task (a few us) never sleeps. Calls
+// further apart pay one wake-up, as before, and the spin costs that core kSpinNs a call.
+constexpr int64_t kSpinNs = 50'000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// Spins until done() or until ns have passed; returns done().
+template <class Done>
+bool spin_for(Done done, int64_t ns) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+    for (;;) {
+        for (int i = 0; i < 32; ++i) {  // ~1 us between clock reads
+            if (done()) return true;
+            cpu_relax();
+        }
+        if (std::chrono::steady_clock::now() >= until) return done();
+    }
+}
 
 int default_threads() {
     if (const char* env = std::getenv("ENGRAM_CPU_THREADS")) {
@@ -260,11 +288,16 @@ class Pool {
             busy_ = 0;
             ++generation_;
         }
-        cv_work_.notify_all();
+        cv_work_.notify_all();  // no system call while every worker still spins (none waits)
         drain();
         std::unique_lock<std::mutex> lk(mu_);
         seats_ = 0;  // late wakers find no seat
-        cv_done_.wait(lk, [this] { return busy_ == 0; });
+        if (busy_.load(std::memory_order_relaxed) != 0) {
+            lk.unlock();
+            spin_for([this] { return busy_.load(std::memory_order_acquire) == 0; }, kSpinNs);
+            lk.lock();
+            cv_done_.wait(lk, [this] { return busy_.load(std::memory_order_relaxed) == 0; });
+        }
         job_ = nullptr;
     }
 
@@ -282,7 +315,12 @@ class Pool {
         uint64_t seen = 0;
         std::unique_lock<std::mutex> lk(mu_);
         for (;;) {
-            cv_work_.wait(lk, [&] { return stop_ || generation_ != seen; });
+            if (!stop_ && generation_.load(std::memory_order_relaxed) == seen) {
+                lk.unlock();
+                spin_for([&] { return generation_.load(std::memory_order_acquire) != seen; }, kSpinNs);
+                lk.lock();
+            }
+            cv_work_.wait(lk, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
             if (stop_) return;
             seen = generation_;
             if (seats_ <= 0 || job_ == nullptr) continue;
@@ -291,7 +329,7 @@ class Pool {
             lk.unlock();
             drain();
             lk.lock();
-            if (--busy_ == 0) cv_done_.notify_all();
+            if (busy_.fetch_sub(1, std::memory_order_release) == 1) cv_done_.notify_all();
         }
     }
 
@@ -302,8 +340,10 @@ class Pool {
     const Job* job_ = nullptr;
     std::atomic<int64_t> next_{0};
     int64_t tasks_ = 0;
-    int seats_ = 0, busy_ = 0;
-    uint64_t generation_ = 0;
+    int seats_ = 0;
+    // Changed under mu_ only; atomic for the spins, which read them without it.
+    std::atomic<int> busy_{0};
+    std::atomic<uint64_t> generation_{0};
     bool stop_ = false;
 };
 
