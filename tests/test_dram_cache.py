@@ -166,6 +166,64 @@ def test_a_failed_read_ahead_is_logged_and_the_gather_still_reports_it(tables, m
         store.close()
 
 
+@pytest.mark.parametrize("native_step", [True, False])
+def test_a_step_waits_for_the_read_ahead_piece_in_flight_instead_of_reading_its_rows_again(tables, rng, native_step):
+    """A chunked prefill's next chunk is read ahead; its step arrives while the read is still
+    in flight (a slow disk). The step must not read those rows a second time beside it."""
+    import threading
+
+    root, rows = tables
+    L = CFG.layer_ids[-1]
+    store = open_store(root, "disk", cfg=CFG, direct=True, dram_cache_bytes=64 << 20, native_step=native_step)[L]
+    started, release = threading.Event(), threading.Event()
+    real = store._read_file
+
+    def slow_read(wanted, out=None):  # the read-ahead's reads (the native step reads in C)
+        if threading.current_thread().name.startswith("engram-ahead"):
+            started.set()
+            release.wait(10)
+        return real(wanted, out)
+
+    store._read_file = slow_read
+    try:
+        ids = torch.from_numpy(rng_choice(rng, LAYOUT.rows(L), 400)).view(100, 4)
+        ahead = store.read_ahead(ids)
+        assert started.wait(10)
+        got = {}
+        step = threading.Thread(target=lambda: got.update(rows=store.gather(ids)))
+        step.start()
+        step.join(0.5)
+        assert step.is_alive(), "the step did not wait for the read-ahead piece holding its rows"
+        release.set()
+        step.join(10)
+        assert ahead.result(10) == 400
+        assert store.stats()["file_rows_read"] == 400  # each row once: by the read-ahead
+        assert torch.equal(bf16_bits(got["rows"]), bf16_bits(reference(rows[L], ids)))
+
+        # A step with only a few rows in common (a decode step beside the prefill) reads them
+        # itself rather than wait for the whole piece.
+        release.clear()
+        started.clear()
+        more = torch.from_numpy(rng_choice(rng, LAYOUT.rows(L), 800, exclude=ids.numpy()))
+        ahead = store.read_ahead(more)
+        assert started.wait(10)
+        few = more[:3]
+        assert torch.equal(bf16_bits(store.gather(few)), bf16_bits(reference(rows[L], few)))
+        release.set()
+        assert ahead.result(10) <= 800
+    finally:
+        release.set()
+        store.close()
+
+
+def rng_choice(rng: torch.Generator, n: int, k: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    """k distinct row ids in [0, n), none of `exclude`, drawn from the test's generator."""
+    pool = torch.randperm(n, generator=rng).numpy()
+    if exclude is not None:
+        pool = pool[~np.isin(pool, exclude)]
+    return pool[:k].astype(np.int64)
+
+
 def test_the_dram_cache_splits_over_layers_and_shards(tables):
     root, _ = tables
     stores = open_store(root, "disk", cfg=CFG, dram_cache_bytes=2 << 20, tp_rank=1, tp_size=2)

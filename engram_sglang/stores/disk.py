@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 # Distinct rows of a call from which the DRAM-cached disk store overlaps its work on threads.
 _OVERLAP_ROWS = 16384
+# Read-ahead reads in pieces of this many rows (~25 ms at 85 k IOPS), each admitted when it
+# lands: a step that needs rows of the piece in flight waits at most one piece for them
+# instead of reading them a second time beside it.
+_AHEAD_PIECE_ROWS = 2048
+_AHEAD_WAIT_S = 10.0
 
 
 class DiskStore(TableStore):
@@ -68,6 +74,8 @@ class DiskStore(TableStore):
         self._admitter: Optional[ThreadPoolExecutor] = None
         self._admission: Optional[Future] = None
         self._ahead_rows = 0
+        # (sorted ids, landed) of the read-ahead piece being read now; None when none is.
+        self._ahead_piece: Optional[tuple[np.ndarray, threading.Event]] = None
         rowio.library()  # fail at start-up, not at the first request, when it is not built
         self.threads, self.direct, self.retries = threads, direct, retries
         self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -101,6 +109,7 @@ class DiskStore(TableStore):
         # The ids visit the host once per call: the reads need them there (on a GPU,
         # `.to("cpu")` on the caller's stream waits for the kernel that made them).
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        self._await_ahead(flat)
         if self.native_step:
             return self._gather_native(ids, flat, out)
         wanted, local = self._plan(flat)
@@ -196,6 +205,7 @@ class DiskStore(TableStore):
             flat = host_ids.numpy()
             if flat.size:
                 self._check_ids(int(flat.min()), int(flat.max()))
+            self._await_ahead(flat)
             local = slot.buffer("local", (flat.shape[0],), torch.int64)
             if self.native_step:
                 packed = slot.buffer("packed", (max(1, flat.shape[0]), ROW_BYTES), torch.uint8)
@@ -244,6 +254,7 @@ class DiskStore(TableStore):
         from the DRAM cache where it holds them, else from the file (then admitted);
         written into `out` (uint8 [n, 264], e.g. pinned staging) when given."""
         wanted = np.ascontiguousarray(wanted, dtype=np.int64)
+        self._await_ahead(wanted)
         if self.native_step and wanted.shape[0]:
             into = out is not None and out.flags.c_contiguous  # the native call writes rows back to back
             staging = out if into else np.empty((wanted.shape[0], ROW_BYTES), dtype=np.uint8)
@@ -332,19 +343,46 @@ class DiskStore(TableStore):
         return self._worker("_ahead", "ahead").submit(self._read_ahead, wanted)
 
     def _read_ahead(self, wanted: np.ndarray) -> int:
+        read = 0
         try:
-            if self.dram is not None:
-                with self.dram.lock:
-                    wanted = wanted[~self.dram.contains(wanted)]
-            got = self._read_file(wanted)
-            self._file_rows += wanted.shape[0]
-            self._ahead_rows += wanted.shape[0]
-            if self.dram is not None:
-                self._admit(wanted, got, new_use=True)
-            return int(wanted.shape[0])
+            for start in range(0, wanted.shape[0], _AHEAD_PIECE_ROWS):
+                piece = wanted[start:start + _AHEAD_PIECE_ROWS]
+                if self.dram is not None:
+                    with self.dram.lock:  # what a step read meanwhile is not read again
+                        piece = piece[~self.dram.contains(piece)]
+                landed = threading.Event()
+                self._ahead_piece = (piece, landed)
+                try:
+                    got = self._read_file(piece)
+                    self._file_rows += piece.shape[0]
+                    self._ahead_rows += piece.shape[0]
+                    if self.dram is not None:
+                        self._admit(piece, got, new_use=True)
+                finally:
+                    self._ahead_piece = None
+                    landed.set()
+                read += int(piece.shape[0])
+            return read
         except Exception as e:  # noqa: BLE001 - the gather that needs these rows reports it
             logger.warning("engram layer %d: read-ahead of %d rows failed: %s", self.layer_id, wanted.shape[0], e)
-            return 0
+            return read
+
+    def _await_ahead(self, ids: np.ndarray) -> None:
+        """Before a step's lookup: when the read-ahead piece in flight holds a good share
+        of its rows (an eighth of the piece or more: a chunked prefill's next chunk), wait
+        for the piece to land in the DRAM cache instead of reading those rows a second time
+        beside it; a few rows in common (a decode step in the same batch) are cheaper to read
+        again than to wait up to one piece for."""
+        current = self._ahead_piece
+        if current is None or self.dram is None:
+            return
+        piece, landed = current
+        if not piece.shape[0] or not ids.shape[0]:
+            return
+        at = np.minimum(np.searchsorted(piece, ids), piece.shape[0] - 1)
+        common = np.unique(ids[piece[at] == ids]).shape[0]
+        if common and 8 * common >= piece.shape[0]:
+            landed.wait(_AHEAD_WAIT_S)  # a stalled disk: read them after all (and report it then)
 
     def _read_file(self, wanted: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Packed rows [n, 264] of sorted distinct row ids, read from the file (into `out`)."""
