@@ -477,18 +477,22 @@ def test_the_native_step_counts_as_the_numpy_path_up_to_saturation_and_through_a
 
 
 def test_the_packed_sketch_counts_as_unpacked_4_bit_counters_would():
-    """Two counters to a byte: raising, saturating or halving one never touches its neighbour.
-    Reference: one uint8 per counter, capped at 15, np.maximum.at (the plain algorithm)."""
+    """Two counters to a byte (sketch rows 2k and 2k+1 share plane k): raising, saturating or
+    halving one never touches its neighbour. Reference: one uint8 per counter, capped at 15,
+    np.maximum.at (the plain algorithm)."""
     from engram_sglang.stores.dram_cache import SKETCH_DEPTH
 
     cache = DramRowCache(8 * 2 * (ROW_BYTES + SLOT_OVERHEAD), ways=2)
-    ref = np.zeros(SKETCH_DEPTH * cache.sketch_width, dtype=np.uint8)
+    width = cache.sketch_width
+    ref = np.zeros((SKETCH_DEPTH, width), dtype=np.uint8)  # row d, counter p
     gen = np.random.default_rng(5)
     top = 0
     for _ in range(300):
         # Three ids in every call (they saturate between agings), a few others: shared counters.
         ids = np.unique(np.concatenate([[1, 2, 3], gen.integers(0, 40, 4)]))
-        where = cache._sketch_index(ids)
+        where = cache._sketch_index(ids) - np.arange(SKETCH_DEPTH)[:, None] // 2 * width  # counter in its row
+        where = where + np.arange(SKETCH_DEPTH)[:, None] * width  # ... in ref, flat
+        ref = ref.reshape(-1)
         want = ref[where].min(0)
         want = want + (want < 15).astype(np.uint8)
         np.maximum.at(ref, where.reshape(-1), np.broadcast_to(want, where.shape).reshape(-1))
@@ -496,7 +500,8 @@ def test_the_packed_sketch_counts_as_unpacked_4_bit_counters_would():
         assert np.array_equal(cache._count(ids), want)
         if cache.agings > agings:
             ref >>= 1
-        unpacked = np.stack([cache.sketch & 15, cache.sketch >> 4], axis=1).reshape(-1)
-        assert np.array_equal(unpacked, ref)
+        ref = ref.reshape(SKETCH_DEPTH, width)
+        planes = cache.sketch.reshape(SKETCH_DEPTH // 2, width)
+        assert np.array_equal(np.stack([planes & 15, planes >> 4], axis=1).reshape(SKETCH_DEPTH, width), ref)
         top = max(top, int(ref.max()))
     assert cache.agings > 2 and top == 15

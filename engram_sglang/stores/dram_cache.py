@@ -48,7 +48,10 @@ ADMISSIONS = ("frequency", "lru")
 # share of the count-min sketch (frequency admission).
 SLOT_OVERHEAD = 8 + 8 + 1 + SKETCH_DEPTH * SKETCH_PER_SLOT // 2
 _CAP = 15  # counts saturate here (4-bit counters)
-_NIBBLE = np.uint64(1)
+# Sketch rows 2k and 2k+1 share plane k of `width` bytes: row 2k in the low nibbles, 2k+1 in the
+# high ones. So a row's update is one gather and one maximum.at over its bytes (the other nibble
+# only rides along), as cheap as with uint8 counters.
+_SHIFTS = np.array([4 * (d & 1) for d in range(SKETCH_DEPTH)], dtype=np.uint8)[:, None]
 _CLOCK_BITS = 48  # a way's rank under frequency admission: count << 48 | clock of its last use
 _USED_NOW = np.iinfo(np.int64).max  # ... and a way this call used ranks last (it stays)
 
@@ -137,13 +140,13 @@ class DramRowCache:
         self.tags = np.full(slots, -1, dtype=np.int64)
         self.last = np.zeros(slots, dtype=np.int64)  # clock of the last use; 0 = never
         # Frequency admission: a count-min sketch of "calls that read the row" (conservative
-        # update, 4-bit saturating counters, counter k in byte k // 2, the odd one in the high
-        # nibble), halved once per `sample` rows looked up so counts follow the text being
-        # served; count[slot] is the sketch's estimate at the row's last read.
+        # update, 4-bit saturating counters, two rows to a plane of bytes: _SHIFTS), halved once
+        # per `sample` rows looked up so counts follow the text being served; count[slot] is the
+        # sketch's estimate at the row's last read.
         self.count = np.zeros(slots, dtype=np.uint8)
         self.sketch_width = SKETCH_PER_SLOT * slots  # counters per sketch row (even: whole bytes)
         self.sketch = np.zeros(SKETCH_DEPTH * self.sketch_width // 2, dtype=np.uint8)
-        self._sketch_base = (np.arange(SKETCH_DEPTH, dtype=np.uint64) * np.uint64(self.sketch_width))[:, None]
+        self._sketch_base = (np.arange(SKETCH_DEPTH, dtype=np.uint64) // np.uint64(2) * np.uint64(self.sketch_width))[:, None]
         self.sample = SAMPLE_FACTOR * slots
         self._state = np.zeros(len(STATE_FIELDS), dtype=np.int64)  # clock, counters: see STATE_FIELDS
         self._ways = np.arange(ways, dtype=np.int64)
@@ -159,37 +162,27 @@ class DramRowCache:
         return ((h * np.uint64(self.sets)) >> np.uint64(32)).astype(np.int64)
 
     def _sketch_index(self, ids: np.ndarray) -> np.ndarray:
-        """Flat counter positions [depth, n]: row d from the high 32 bits of the id times its
-        own multiplier, range-reduced to the width (no power-of-two width needed)."""
+        """Sketch bytes [depth, n] of each id's counters: row d from the high 32 bits of the id
+        times its own multiplier, range-reduced to the width (no power-of-two width needed),
+        in plane d // 2."""
         h = (_mix64(ids)[None, :] * _SKETCH_MULTS[:, None]) >> np.uint64(32)
-        return ((h * np.uint64(self.sketch_width)) >> np.uint64(32)) + self._sketch_base
-
-    def _counters(self, where: np.ndarray) -> np.ndarray:
-        """The 4-bit counters at flat positions `where` (uint8)."""
-        return ((self.sketch[where >> _NIBBLE] >> ((where & _NIBBLE) << np.uint64(2))) & np.uint64(15)).astype(np.uint8)
+        return (((h * np.uint64(self.sketch_width)) >> np.uint64(32)) + self._sketch_base).astype(np.intp)
 
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Calls that read each id lately (uint8, <= 15; never below its halved true count)."""
-        return self._counters(self._sketch_index(ids)).min(0)
+        return ((self.sketch[self._sketch_index(ids)] >> _SHIFTS) & 15).min(0)
 
     def _count(self, ids: np.ndarray) -> np.ndarray:
         """Record one read of each distinct id: conservative update (only counters at the
         row's minimum rise, to its count + 1, saturating). Returns the new counts."""
         where = self._sketch_index(ids)
-        count = self._counters(where).min(0)
+        count = ((self.sketch[where] >> _SHIFTS) & 15).min(0)
         count = count + (count < _CAP).astype(np.uint8)
-        # Two ids of a call may share a counter: the higher count must stay (a maximum per
-        # counter: sorted by position, then count, the last of each position), and each
-        # counter keeps its old value when that is higher (other ids raised it before).
-        key = np.sort((where << np.uint64(4)).reshape(-1) | np.broadcast_to(count, where.shape).reshape(-1))
-        pos = key >> np.uint64(4)
-        last = np.append(pos[1:] != pos[:-1], True)
-        pos, new = pos[last], (key[last] & np.uint64(15)).astype(np.uint8)
-        new = np.maximum(new, self._counters(pos))
-        for odd in (0, 1):  # one nibble of a byte at a time: distinct positions, distinct bytes
-            pick = (pos & _NIBBLE) == odd
-            byte, shift = pos[pick] >> _NIBBLE, 4 * odd
-            self.sketch[byte] = (self.sketch[byte] & (0xF0 >> shift)) | (new[pick] << shift)
+        for d in range(SKETCH_DEPTH):  # a row at a time: the other nibble of its bytes stays as it is
+            byte, shift = where[d], 4 * (d & 1)
+            # maximum.at: a counter keeps the higher of its value and the count, and of the
+            # counts of two ids of a call that share it.
+            np.maximum.at(self.sketch, byte, (self.sketch[byte] & (0xF0 >> shift)) | (count << shift))
         self._since_aging += ids.shape[0]
         if self._since_aging >= self.sample:
             self._age()

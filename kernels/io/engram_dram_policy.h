@@ -20,7 +20,8 @@ namespace engram_io {
 constexpr int64_t kSketchDepth = 4;
 constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D6478BD642Full,
                                                  0xE7037ED1A0B428DBull, 0x8EBC6AF09C88C6E3ull};
-constexpr int kCountCap = 15;  // 4-bit sketch counters, two to a byte (counter k in byte k / 2, odd: high nibble)
+// 4-bit sketch counters: rows 2k and 2k+1 share plane k of `width` bytes (2k low nibbles, 2k+1 high).
+constexpr int kCountCap = 15;
 constexpr int kClockBits = 48;
 constexpr int64_t kUsedNow = INT64_MAX;
 // Ids ahead whose cache lines are prefetched: a decode step's lookups touch ~7 random lines
@@ -43,7 +44,7 @@ struct DramCache {
     int64_t* tags;    // [slots], -1 empty
     int64_t* last;    // [slots], clock of the last use
     uint8_t* count;   // [slots]
-    uint8_t* sketch;  // [depth * width / 2]: 4-bit counters
+    uint8_t* sketch;  // [depth / 2, width]: 4-bit counters
     int64_t* state;   // [kStateLen]
     int64_t slots, ways, sets, sketch_width, sample;
     int32_t frequency;  // 1: frequency admission, 0: LRU
@@ -66,20 +67,20 @@ inline void sketch_index(const DramCache& c, int64_t id, int64_t where[kSketchDe
     const uint64_t m = mix64(id);
     for (int64_t d = 0; d < kSketchDepth; ++d) {
         const uint64_t h = (m * kSketchMults[d]) >> 32;
-        where[d] = static_cast<int64_t>((h * static_cast<uint64_t>(c.sketch_width)) >> 32) + d * c.sketch_width;
+        where[d] = static_cast<int64_t>((h * static_cast<uint64_t>(c.sketch_width)) >> 32) + (d >> 1) * c.sketch_width;
     }
 }
 
-// DramRowCache._counters: the 4-bit counter at flat position k.
-inline uint8_t counter(const DramCache& c, int64_t k) {
-    return static_cast<uint8_t>((c.sketch[k >> 1] >> ((k & 1) << 2)) & 15);
+// The counter of sketch row d in byte k (dram_cache.py's _SHIFTS).
+inline uint8_t counter(const DramCache& c, int64_t k, int64_t d) {
+    return static_cast<uint8_t>((c.sketch[k] >> ((d & 1) << 2)) & 15);
 }
 
 inline uint8_t estimate(const DramCache& c, int64_t id) {
     int64_t where[kSketchDepth];
     sketch_index(c, id, where);
-    uint8_t m = counter(c, where[0]);
-    for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, where[d]));
+    uint8_t m = counter(c, where[0], 0);
+    for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, where[d], d));
     return m;
 }
 
@@ -106,17 +107,16 @@ inline void count_reads(DramCache& c, const int64_t* ids, int64_t n, uint8_t* co
     for (int64_t i = 0; i < n; ++i) sketch_index(c, ids[i], where.data() + i * kSketchDepth);
     for (int64_t i = 0; i < n; ++i) {
         if (i + kPrefetchIds < n)
-            for (int64_t d = 0; d < kSketchDepth; ++d) __builtin_prefetch(c.sketch + (where[(i + kPrefetchIds) * kSketchDepth + d] >> 1));
+            for (int64_t d = 0; d < kSketchDepth; ++d) __builtin_prefetch(c.sketch + where[(i + kPrefetchIds) * kSketchDepth + d]);
         const int64_t* w = where.data() + i * kSketchDepth;
-        uint8_t m = counter(c, w[0]);
-        for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, w[d]));
+        uint8_t m = counter(c, w[0], 0);
+        for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, w[d], d));
         counts[i] = static_cast<uint8_t>(m + (m < kCountCap ? 1 : 0));
     }
     for (int64_t i = 0; i < n; ++i)
         for (int64_t d = 0; d < kSketchDepth; ++d) {
-            const int64_t k = where[static_cast<size_t>(i * kSketchDepth + d)];
-            const int shift = static_cast<int>(k & 1) << 2;
-            uint8_t& s = c.sketch[k >> 1];
+            const int shift = static_cast<int>(d & 1) << 2;
+            uint8_t& s = c.sketch[where[static_cast<size_t>(i * kSketchDepth + d)]];
             if (counts[i] > ((s >> shift) & 15)) s = static_cast<uint8_t>((s & (0xF0 >> shift)) | (counts[i] << shift));
         }
     c.state[kSinceAging] += n;
