@@ -40,8 +40,20 @@ and hit rates of a row sample track the whole trace's (SHARDS, Waldspurger et al
 --dram: the disk tier's DRAM row cache (`engram_sglang.stores.dram_cache.DramRowCache`, the
 code the store runs, 8 ways): its frequency admission against its LRU policy of before (same
 geometry) and exact fully associative LRU, on the raw trace and on the trace a hot-row cache
-(RowDirectory) of --hot-share of the rows in front leaves over (its misses, per step); and the
+(RowDirectory) of --hot-share of the rows in front leaves over (its misses, per step), beside
+the ceilings on the same trace (ideal LFU, hindsight frequency, Belady: as above); and the
 CPU time of lookup + admit per decode-sized call (the unsharded trace's 6144 ids a step).
+Behind a 0.5% hot-row cache at 1% of the rows (2026-12-01): DRAM 14.5 / LRU 14.3 / ideal LFU
+14.5 / hindsight 19.2 / Belady 36.4 (code), 6.6 / 5.2 / 8.9 / 14.4 / 26.6 (prose): the hot-row
+cache has taken the frequent rows, and what the optimum gains over LRU there is timing. Tried
+there and dropped (idealized, exact counts, fully associative unless said): W-TinyLFU with any
+window of 1-99% (code 11.4-14.2, at most LRU: hill climbing cannot pass its best window);
+LRU-2; the n-gram order as a prior (code -0.1..-0.4, prose +0.4); the DRAM sketch also
+counting the rows the hot-row cache served (-0.1); exclusive caching (the DRAM cache's own
+policy with an 8x wider sketch; rows the hot-row cache admits made the first victims in DRAM,
+the rows it evicts admitted: at 1% +2.4 over LRU on code, +3.3 on prose, at 10% -3.6 and -1.6;
+the demotion alone -6 at 10%); the LRU way as the victim (-1.2); 16 ways (+0.0 to +0.6, two
+cache lines of tags a lookup).
 
 Measured (layer 1, shard 1/16; ours / ideal LFU / hindsight / Belady): code 0.1%
 22.7/22.8/23.4/33.2, 1% 42.3/42.6/45.2/56.5, 10% 63.9/64.4/66.3/66.3; prose 1%
@@ -411,8 +423,9 @@ def run_kind(kind: str, args) -> list[dict]:
     return results
 
 
-DRAM_POLICIES = ("dram", "dram_lru", "lru")
-DRAM_LABELS = {"dram": "DRAM, frequency (new)", "dram_lru": "DRAM, LRU (before)", "lru": "LRU, fully assoc."}
+DRAM_POLICIES = ("dram", "dram_lru", "lru", "ideal_lfu", "hindsight", "belady")
+DRAM_LABELS = {"dram": "DRAM, frequency (new)", "dram_lru": "DRAM, LRU (before)", "lru": "LRU, fully assoc.",
+               "ideal_lfu": "ideal LFU (online)", "hindsight": "hindsight freq. (offline)", "belady": "Belady (optimum)"}
 
 
 def run_dram(kind: str, args) -> list[dict]:
@@ -441,6 +454,11 @@ def run_dram(kind: str, args) -> list[dict]:
                 row["dram"] = dram(trace, cap, "frequency") / trace.fetches
                 row["dram_lru"] = dram(trace, cap, "lru") / trace.fetches
                 row["lru"] = lru(trace, cap) / trace.fetches
+                # The ceilings on the same trace: what any online frequency policy (ideal LFU),
+                # knowing each row's count (hindsight) or every future read (Belady) could get.
+                row["ideal_lfu"] = ideal_lfu(trace, cap) / trace.fetches
+                row["hindsight"] = hindsight(trace, cap) / trace.fetches
+                row["belady"] = belady(trace, cap) / trace.fetches
                 results.append(row)
                 print(f"    {trace_name} {share:.1%}: " + ", ".join(f"{n} {row[n]:.1%}" for n in DRAM_POLICIES), flush=True)
         # CPU cost per decode-sized call: the unsharded trace (a step's 256 x 24 ids).
@@ -460,17 +478,21 @@ def report_dram(results: list[dict], args) -> int:
         body = []
         for r in (r for r in rates if r["kind"] == kind and r["layer"] == layer):
             body.append([r["trace"], f"{r['share']:.1%}", *(f"{r[n]:.1%}" for n in DRAM_POLICIES),
-                         f"{100 * (r['dram'] - r['dram_lru']):+.1f}", f"{100 * (r['dram'] - r['lru']):+.1f}"])
+                         f"{100 * (r['dram'] - r['dram_lru']):+.1f}", f"{100 * (r['dram'] - r['lru']):+.1f}",
+                         f"{100 * (r['belady'] - r['lru']):+.1f}"])
         print_table(f"{kind}, layer {layer}: DRAM row cache hit rate (row fetches), raw trace and behind a hot-row "
                     f"cache of {args.hot_share:.1%} of the rows (replayed 1/{args.shard})",
-                    ["trace", "cache size", *(DRAM_LABELS[n] for n in DRAM_POLICIES), "new - before", "new - LRU"], body)
+                    ["trace", "cache size", *(DRAM_LABELS[n] for n in DRAM_POLICIES), "new - before", "new - LRU",
+                     "Belady - LRU"], body)
     print_table("DRAM row cache: CPU per decode-sized call, lookup + admit (same run, interleaved)",
                 ["kind", "cache size", "distinct ids", "frequency (new) us", "LRU (before) us", "ratio"],
                 [[c["kind"], f"{c['share']:.1%}", f"{c['ids_per_call']:.0f}", f"{c['frequency_us']:.0f}",
                   f"{c['lru_us']:.0f}", f"{c['frequency_us'] / c['lru_us']:.2f}"] for c in costs])
-    # Goals: >= LRU + 3 points at 1%, never below LRU at 10% (both LRUs).
+    # Goals: >= LRU + 3 points at 1%, never below LRU at 10% (both LRUs); beside them the
+    # ceilings over LRU (no online policy passes Belady's; ideal LFU's is the online frequency one).
     checks = {f"{r['kind']} {r['trace']} {r['share']:.1%}": {
-        "points_over_dram_lru": 100 * (r["dram"] - r["dram_lru"]), "points_over_lru": 100 * (r["dram"] - r["lru"])}
+        "points_over_dram_lru": 100 * (r["dram"] - r["dram_lru"]), "points_over_lru": 100 * (r["dram"] - r["lru"]),
+        **{f"{n}_points_over_lru": 100 * (r[n] - r["lru"]) for n in ("ideal_lfu", "hindsight", "belady")}}
         for r in rates}
     path = write_json(args.name, {"config": vars(args), "unit": "row fetches (distinct rows of a decode step)",
                                   "results": rates, "call_cost": costs, "checks": checks})
@@ -490,7 +512,7 @@ def plot_dram(rates: list[dict], path: Path, hot_share: float) -> None:
     for ax, (kind, layer, trace) in zip(axes[0], panels):
         rs = [r for r in rates if (r["kind"], r["layer"], r["trace"]) == (kind, layer, trace)]
         x = [100 * r["share"] for r in rs]
-        for name, style in zip(DRAM_POLICIES, ("o-", "s-", "^:")):
+        for name, style in zip(DRAM_POLICIES, ("o-", "s-", "^:", "d:", "v:", "k*-")):
             ax.plot(x, [100 * r[name] for r in rs], style, label=DRAM_LABELS[name])
         ax.set_xscale("log")
         ax.set_xlabel("DRAM cache size, % of the table's rows")

@@ -11,8 +11,10 @@ has just been read, so admitting it costs one row copy; whether it should displa
 TinyLFU-style admission, as the hot-row cache does (row_directory.py): a count-min sketch
 counts the calls that read each row, a missed row takes the way of its set's weakest row
 (fewest calls, then least recently used) only when read in as many calls or more, so a
-one-off read (most 4-grams) never evicts a row read twice (a hot 2-gram). Beats LRU by
-2-6 points at 1% of the rows and matches or beats it at 10% (bench/cache.py --dram). All index work is
+one-off read (most 4-grams) never evicts a row read twice (a hot 2-gram). On real decode
+traces (bench/cache.py --dram) it beats LRU by 4.8-6.9 points at 1% of the rows; behind a
+hot-row cache, which takes the frequent rows first, by 0.2-1.4 only: what is left there to
+gain is timing (Belady's), not frequency (docs/measurements.md section 6). All index work is
 numpy over a call's sorted unique ids (a decode step's few thousand): no per-row Python. The
 disk store's native step (stores/disk_step.py) runs the same policy, ported to C++ in
 kernels/io/engram_dram_policy.h, on this cache's own arrays and scalars (`_state`), so both
