@@ -74,7 +74,12 @@ CASES = {"mapped": ({}, 0, 1), "aio-shard": ({"direct": True, "threads": 4}, 1, 
          "mapped+dram-shard": ({"dram_cache_bytes": 40 << 10, "threads": 4}, 0, 2),
          "aio+dram": ({"direct": True, "threads": 8, "dram_cache_bytes": 40 << 10}, 0, 1),
          # O_DIRECT reads go by io_uring where the kernel allows it: this case by native AIO.
-         "aio+dram-libaio": ({"direct": True, "threads": 8, "dram_cache_bytes": 40 << 10}, 0, 1)}
+         "aio+dram-libaio": ({"direct": True, "threads": 8, "dram_cache_bytes": 40 << 10}, 0, 1),
+         # The native step keeps up to NativeStep.depth (256) reads in flight: this case the
+         # store's 4, so slots are refilled while the lookup is still adding misses.
+         "aio+dram-depth4": ({"direct": True, "threads": 4, "dram_cache_bytes": 40 << 10}, 0, 1),
+         # The step decodes by AVX-512 where this CPU has it: this case by the portable decode.
+         "aio+dram-portable": ({"direct": True, "threads": 8, "dram_cache_bytes": 40 << 10}, 0, 1)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,11 +90,15 @@ def test_native_step_equals_the_numpy_path(tables, rng, case, how):
     options, tp_rank, tp_size = CASES[case]
     if case.endswith("-libaio"):
         assert rowio.read_engine("aio") == "aio"
+    if case.endswith("-portable"):
+        assert rowio.step_decode("portable") == "portable"
     native = open_store(root, "disk", cfg=CFG, tp_rank=tp_rank, tp_size=tp_size, **options)
     python = open_store(root, "disk", cfg=CFG, tp_rank=tp_rank, tp_size=tp_size, **options)
     try:
         a, b = native[L], python[L]
         b.native_step = False
+        if case.endswith("-depth4"):
+            a._native.depth = 0
         if how == "gpu-staging":
             a._streams, b._streams = RecordingStreams(), RecordingStreams()
         lo, hi = a.row_range
@@ -112,6 +121,57 @@ def test_native_step_equals_the_numpy_path(tables, rng, case, how):
         for s in [*native.values(), *python.values()]:
             s.close()
         rowio.read_engine("auto")
+        rowio.step_decode("auto")
+
+
+def test_the_step_decode_is_the_cpus_best():
+    """AVX-512 VBMI CPUs decode by the AVX-512 row decode (the host gather's), others portably."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    has = all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi"))
+    assert rowio.step_decode() == ("avx512" if has else "portable")
+    assert rowio.step_decode("portable") == "portable"
+    assert rowio.step_decode("auto") == ("avx512" if has else "portable")
+
+
+@pytest.mark.parametrize("depth", [4, 256])
+def test_a_file_truncated_under_reads_already_out(tmp_path, rng, depth):
+    """O_DIRECT misses are read while the lookup still runs: when a later miss lies past the
+    end of the file, the reads already out are waited for, the step comes back unread
+    (short read at its last miss), the hits are copied, and nothing is admitted."""
+    n_rows, keep = 4096, 2048
+    data = torch.randint(0, 256, (n_rows, ROW_BYTES), dtype=torch.uint8, generator=rng).numpy()
+    path = tmp_path / "t.rows"
+    with open(path, "wb") as f:
+        f.write(bytes(DATA_OFFSET))
+        f.write(data.tobytes())
+    cache = DramRowCache(1 << 20, huge_pages=False)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        f = rowio.DiskFile(fd, rowio.READ_AIO, depth, 1, DATA_OFFSET, 0, 0, n_rows)
+        view = rowio.cache_view(cache)
+        hot = np.arange(3000, 3010, dtype=np.int64)  # cached before the file shrinks
+        cache.lookup(hot)
+        assert cache.admit(hot, data[hot]) == hot.shape[0]
+        request = np.concatenate([np.arange(0, 1000, 7), hot, [keep + 1, n_rows - 1]]).astype(np.int64)
+        n = request.shape[0]
+        os.truncate(path, DATA_OFFSET + keep * ROW_BYTES)
+        wanted, local, missed = (np.empty(n, np.int64) for _ in range(3))
+        packed = np.zeros((n, ROW_BYTES), np.uint8)
+        admitted = cache.admitted
+        status, res = rowio.disk_step(f, view, request, wanted, local, packed, missed, None)
+        assert status == rowio.STEP_UNREAD and res.error == -1 and res.failed == res.misses - 1
+        assert res.misses == n - hot.shape[0] and cache.admitted == admitted
+        at = np.searchsorted(wanted[: res.unique], hot)
+        assert np.array_equal(packed[at], data[hot])
+        # The next call (rows inside the file) reads right: nothing of the last one lingers.
+        ok = np.arange(5, 2000, 3, dtype=np.int64)
+        wanted, local, missed = (np.empty(ok.shape[0], np.int64) for _ in range(3))
+        packed = np.zeros((ok.shape[0], ROW_BYTES), np.uint8)
+        status, res = rowio.disk_step(f, view, ok, wanted, local, packed, missed, None)
+        assert status == rowio.STEP_OK and np.array_equal(packed[: res.unique], data[ok])
+    finally:
+        os.close(fd)
+        cache.close()
 
 
 def test_native_step_shares_the_cache_with_read_ahead_and_fills_out(tables, rng):

@@ -135,6 +135,17 @@ def read_engine(want: Optional[str] = None) -> str:
     return "io_uring" if library().engram_rowio_engine(codes[want]) == 0 else "aio"
 
 
+def step_decode(want: Optional[str] = None) -> str:
+    """The native step's row decode (a test hook): "avx512" where this CPU has AVX-512 VBMI,
+    else "portable"; want="portable" forces the portable one, want="auto" goes back."""
+    codes = {None: -1, "auto": 0, "portable": 1}
+    if want not in codes:
+        raise EngramError(f"step decode must be 'auto' or 'portable', got {want!r}")
+    hook = library().engram_disk_step_decode
+    hook.argtypes, hook.restype = [ctypes.c_int], ctypes.c_int
+    return "avx512" if hook(codes[want]) == 1 else "portable"
+
+
 def copy_mapped(base_address: int, rows: np.ndarray, out: np.ndarray, threads: int) -> int:
     """Copy rows (int64, contiguous) of a mapped table into out [n, 264]; -1 or a faulting index."""
     failed = ctypes.c_int64(-1)

@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +28,7 @@
 
 #include "../common/engram_denormals.h"
 #include "../common/engram_gather.h"
+#include "../cpu/engram_decode_avx512.h"
 #include "engram_dram_policy.h"
 
 namespace engram_io {
@@ -53,6 +55,10 @@ struct StepResult {
 // Rows decoded per task, and below how many ids one thread does it all (as the host gather).
 constexpr int64_t kDecodeGrain = 64;
 constexpr int64_t kDecodeSerial = 128;
+// Misses found by the lookup between additions to the reads in flight: small, so the disk
+// starts early (a batch-256 step's lookup takes ~1 ms), large enough that the syscall each
+// costs stays a small share of its reads' CPU.
+constexpr int64_t kIssueBatch = 16;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ENGRAM_IO_ISA_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
@@ -60,14 +66,30 @@ constexpr int64_t kDecodeSerial = 128;
 #define ENGRAM_IO_ISA_CLONES
 #endif
 
+// The row decode: the host gather's AVX-512 one where the CPU has it (VBMI; same bits, about
+// 3x fewer instructions a value), else the portable one in ISA clones, as in
+// kernels/cpu/engram_gather.cpp. Each loop below is built once per decode, with the row decode
+// inlined into it (a called decode would be compiled for the baseline ISA only).
+struct PortableRow {
+    static inline __attribute__((always_inline)) void decode(const uint8_t* row, uint16_t* out) {
+        engram::dequant_row_host(row, out);
+    }
+};
+#if ENGRAM_HAVE_AVX512_DECODE
+struct Avx512Row {  // inlined into decode_*_avx512 (flatten: the same target)
+    static inline void decode(const uint8_t* row, uint16_t* out) { engram::dequant_row_avx512<false>(row, out); }
+};
+#endif
+
 // bf16 rows of ids [b, e): staging row local[i], or +0 for an id outside the shard (local == unique).
-ENGRAM_IO_ISA_CLONES inline void decode_rows(const uint8_t* packed, const int64_t* local, int64_t unique, int64_t b,
-                                     int64_t e, uint16_t* out) {
+template <class Row>
+inline __attribute__((always_inline)) void decode_rows_body(const uint8_t* packed, const int64_t* local,
+                                                            int64_t unique, int64_t b, int64_t e, uint16_t* out) {
     engram::DenormalGuard guard;
     for (int64_t i = b; i < e; ++i) {
         uint16_t* o = out + i * engram::kRowValues;
         if (local[i] < unique)
-            engram::dequant_row_host(packed + local[i] * engram::kRowBytes, o);
+            Row::decode(packed + local[i] * engram::kRowBytes, o);
         else
             for (int k = 0; k < engram::kRowValues; ++k) o[k] = 0;
     }
@@ -87,8 +109,10 @@ inline void group_positions(const int64_t* local, int64_t n, int64_t unique, std
 
 // bf16 rows of every position of staging rows units[0..count): the row is decoded once into its
 // first position and copied to the others (the same bits); +0 for u == unique.
-ENGRAM_IO_ISA_CLONES inline void decode_units(const uint8_t* packed, const int64_t* start, const int64_t* order,
-                                              int64_t unique, const int64_t* units, int64_t count, uint16_t* out) {
+template <class Row>
+inline __attribute__((always_inline)) void decode_units_body(const uint8_t* packed, const int64_t* start,
+                                                             const int64_t* order, int64_t unique,
+                                                             const int64_t* units, int64_t count, uint16_t* out) {
     engram::DenormalGuard guard;
     constexpr size_t kOutRow = engram::kRowValues * sizeof(uint16_t);
     for (int64_t k = 0; k < count; ++k) {
@@ -97,11 +121,60 @@ ENGRAM_IO_ISA_CLONES inline void decode_units(const uint8_t* packed, const int64
         if (b == e) continue;
         uint16_t* first = out + order[b] * engram::kRowValues;
         if (u < unique)
-            engram::dequant_row_host(packed + u * engram::kRowBytes, first);
+            Row::decode(packed + u * engram::kRowBytes, first);
         else
             std::memset(first, 0, kOutRow);
         for (int64_t j = b + 1; j < e; ++j) std::memcpy(out + order[j] * engram::kRowValues, first, kOutRow);
     }
+}
+
+ENGRAM_IO_ISA_CLONES inline void decode_rows_portable(const uint8_t* packed, const int64_t* local, int64_t unique,
+                                                      int64_t b, int64_t e, uint16_t* out) {
+    decode_rows_body<PortableRow>(packed, local, unique, b, e, out);
+}
+ENGRAM_IO_ISA_CLONES inline void decode_units_portable(const uint8_t* packed, const int64_t* start,
+                                                       const int64_t* order, int64_t unique, const int64_t* units,
+                                                       int64_t count, uint16_t* out) {
+    decode_units_body<PortableRow>(packed, start, order, unique, units, count, out);
+}
+#if ENGRAM_HAVE_AVX512_DECODE
+ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_rows_avx512(const uint8_t* packed, const int64_t* local,
+                                                           int64_t unique, int64_t b, int64_t e, uint16_t* out) {
+    decode_rows_body<Avx512Row>(packed, local, unique, b, e, out);
+}
+ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_units_avx512(const uint8_t* packed, const int64_t* start,
+                                                            const int64_t* order, int64_t unique,
+                                                            const int64_t* units, int64_t count, uint16_t* out) {
+    decode_units_body<Avx512Row>(packed, start, order, unique, units, count, out);
+}
+#endif
+
+// Which decode the step runs: the AVX-512 one where this CPU has it; the test hook
+// (engram_disk_step_decode) can force the portable one so that both are checked here.
+inline std::atomic<bool>& use_avx512_decode() {
+#if ENGRAM_HAVE_AVX512_DECODE
+    static std::atomic<bool> on{engram::avx512_decode_supported()};
+#else
+    static std::atomic<bool> on{false};
+#endif
+    return on;
+}
+
+inline void decode_rows(const uint8_t* packed, const int64_t* local, int64_t unique, int64_t b, int64_t e,
+                        uint16_t* out) {
+#if ENGRAM_HAVE_AVX512_DECODE
+    if (use_avx512_decode().load(std::memory_order_relaxed)) return decode_rows_avx512(packed, local, unique, b, e, out);
+#endif
+    decode_rows_portable(packed, local, unique, b, e, out);
+}
+
+inline void decode_units(const uint8_t* packed, const int64_t* start, const int64_t* order, int64_t unique,
+                         const int64_t* units, int64_t count, uint16_t* out) {
+#if ENGRAM_HAVE_AVX512_DECODE
+    if (use_avx512_decode().load(std::memory_order_relaxed))
+        return decode_units_avx512(packed, start, order, unique, units, count, out);
+#endif
+    decode_units_portable(packed, start, order, unique, units, count, out);
 }
 
 inline int default_decode_threads() {

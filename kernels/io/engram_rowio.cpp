@@ -11,8 +11,8 @@
 //  * pread: one pread per row (optionally O_DIRECT through an aligned per-thread buffer),
 //    spread over N threads. Slower for cached rows, but it reports the real errno; the
 //    caller uses it to retry and to name what failed.
-//  * aio: O_DIRECT reads by Linux native AIO from the calling thread, `depth` in flight (what
-//    fio's libaio engine does). A blocking pread per row costs a thread switch per row: on a
+//  * aio: O_DIRECT reads by io_uring (engram_uring.h) or, where it is unavailable, Linux
+//    native AIO, from the calling thread, `depth` in flight (what fio's engines do). A blocking pread per row costs a thread switch per row: on a
 //    2-core VM 64 threads burned ~10 us of CPU per row and reached half the disk's IOPS.
 //    Sorted rows whose pages touch are merged into one read of up to 64 KiB.
 //
@@ -266,28 +266,6 @@ struct AioState {
     }
 };
 
-std::vector<Extent> merge_extents(int64_t data_offset, const int64_t* rows, int64_t n) {
-    std::vector<Extent> out;
-    out.reserve(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t offset = data_offset + rows[i] * kRowBytes;
-        const int64_t start = offset & ~(kPage - 1);
-        const int64_t end = (offset + kRowBytes + kPage - 1) & ~(kPage - 1);
-        if (!out.empty()) {
-            Extent& e = out.back();
-            // Ascending rows whose pages touch the extent's: one read, while it stays small.
-            if (start >= e.start && start <= e.start + e.length && end - e.start <= kMaxExtent) {
-                e.length = std::max(e.length, end - e.start);
-                e.last = i + 1;
-                continue;
-            }
-        }
-        out.push_back({start, end - start, i, i + 1});
-    }
-    return out;
-}
-
-
 // Completions a blocking wait asks for: a wake-up per completion costs a thread switch and
 // resubmits reads one or two at a time (a doorbell each). Waiting for half the depth keeps at
 // least half of it in flight and cut CPU per read ~15% here (io_uring 2.8 -> 2.3 us, AIO 3.1
@@ -303,54 +281,129 @@ AioState& aio_state() {
     return state;
 }
 
-// Reads of ascending rows of an O_DIRECT file by native AIO, `depth` in flight, driven by the
-// caller: start() submits the first reads and returns, pump() reaps what completed, copies
-// its rows, calls done(first, last) for the request's rows [first, last) now in place, and
-// submits more. The disk step issues its misses first and does its other work between pumps.
-class AioReads {
+// What both engines below share: a request of ascending rows of an O_DIRECT file, merged into
+// extents as its rows are added (the disk step adds its misses while it is still looking
+// them up), the bounce-buffer slots, and the rows of each completed extent copied out.
+// An engine submits extents_[next_..] into free slots and hands each completion to land().
+class ExtentReads {
   public:
-    int error = 0;       // errno of a failed read, -1 short read (the file ends early)
+    int error = 0;        // errno of a failed read, -1 short read (the file ends early)
     int64_t failed = -1;  // smallest index of a row that failed
 
-    // 0, or -2 (kStepAioUnavailable) when native AIO is unavailable here. Row i lands at
-    // out + (where ? where[i] : i) * 264.
-    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
-              int depth) {
-        st_ = &aio_state();
-        depth = std::max(1, std::min(depth, kMaxDepth));
-        if (!st_->ready(depth)) return -2;
+    // Reads not finished (in flight, or added and not yet submitted while none failed).
+    bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
+
+    // Rows [added_, n) of the request join the extents (submitted by the next pump): ascending
+    // rows whose pages touch an extent not yet submitted are one read with it, while it stays small.
+    void extend(int64_t n) {
+        for (int64_t i = added_; i < n; ++i) {
+            const int64_t offset = data_offset_ + rows_[i] * kRowBytes;
+            const int64_t start = offset & ~(kPage - 1);
+            const int64_t end = (offset + kRowBytes + kPage - 1) & ~(kPage - 1);
+            if (extents_.size() > next_) {
+                Extent& e = extents_.back();
+                if (start >= e.start && start <= e.start + e.length && end - e.start <= kMaxExtent) {
+                    e.length = std::max(e.length, end - e.start);
+                    e.last = i + 1;
+                    continue;
+                }
+            }
+            extents_.push_back({start, end - start, i, i + 1});
+        }
+        added_ = std::max(added_, n);
+    }
+
+  protected:
+    // `slots`: the reads in flight at most (the call's depth; the thread's ring or context,
+    // made for the deepest call so far, may hold more).
+    void reset(int fd, int64_t data_offset, const int64_t* rows, uint8_t* out, const int64_t* where, int slots) {
+        depth_ = slots;
         fd_ = fd;
         data_offset_ = data_offset;
         rows_ = rows;
         out_ = out;
         where_ = where;
-        extents_ = merge_extents(data_offset, rows, n);
-        cbs_.resize(static_cast<size_t>(st_->depth));
-        queue_.resize(static_cast<size_t>(st_->depth));
-        events_.resize(static_cast<size_t>(st_->depth));
+        extents_.clear();
         free_slots_.clear();
-        for (int k = st_->depth - 1; k >= 0; --k) free_slots_.push_back(k);
+        for (int k = slots - 1; k >= 0; --k) free_slots_.push_back(k);
         next_ = 0;
+        added_ = 0;
         in_flight_ = 0;
         error = 0;
         failed = -1;
-        submit();
+    }
+
+    // Extent `index` read into slot `slot` (`res` bytes, or -errno): its rows go to out, then
+    // done(first, last) for the request's rows [first, last) now in place.
+    template <class Done>
+    void land(size_t index, int slot, const uint8_t* buf, int64_t res, Done& done) {
+        const Extent& e = extents_[index];
+        --in_flight_;
+        free_slots_.push_back(slot);
+        if (res < 0) {
+            if (error == 0) error = static_cast<int>(-res);
+            if (failed < 0 || e.first < failed) failed = e.first;
+            return;
+        }
+        int64_t i = e.first;
+        for (; i < e.last; ++i) {
+            const int64_t at = data_offset_ + rows_[i] * kRowBytes - e.start;
+            if (at + kRowBytes > res) {  // the file ends early
+                if (error == 0) error = -1;
+                if (failed < 0 || i < failed) failed = i;
+                break;
+            }
+            memcpy(out_ + (where_ != nullptr ? where_[i] : i) * kRowBytes, buf + at, kRowBytes);
+        }
+        if (i > e.first) done(e.first, i);
+    }
+
+    // Slot and extent in one tag (a completion's aio_data / user_data).
+    static uint64_t tag(size_t index, int slot) { return (static_cast<uint64_t>(index) << 16) | static_cast<uint64_t>(slot); }
+
+    int depth_ = 0;
+    int fd_ = -1;
+    int64_t data_offset_ = 0;
+    const int64_t* rows_ = nullptr;
+    uint8_t* out_ = nullptr;
+    const int64_t* where_ = nullptr;
+    std::vector<Extent> extents_;
+    std::vector<int> free_slots_;
+    size_t next_ = 0;  // extents submitted
+    int64_t added_ = 0;
+    int in_flight_ = 0;
+};
+
+// Reads of ascending rows of an O_DIRECT file by native AIO, `depth` in flight, driven by the
+// caller: begin() sets up, extend(n) adds rows [0, n) as they become known, pump() reaps what
+// completed, copies its rows, calls done(first, last) for the request's rows [first, last) now
+// in place, and submits what the free slots allow. The disk step adds its misses as its lookup
+// finds them and does its other work between pumps.
+class AioReads : public ExtentReads {
+  public:
+    // 0, or -2 (kStepAioUnavailable) when native AIO is unavailable here. Row i lands at
+    // out + (where ? where[i] : i) * 264.
+    int begin(int fd, int64_t data_offset, const int64_t* rows, uint8_t* out, const int64_t* where, int depth) {
+        st_ = &aio_state();
+        depth = std::max(1, std::min(depth, kMaxDepth));
+        if (!st_->ready(depth)) return -2;
+        reset(fd, data_offset, rows, out, where, depth);
+        cbs_.resize(static_cast<size_t>(st_->depth));
+        queue_.resize(static_cast<size_t>(st_->depth));
+        events_.resize(static_cast<size_t>(st_->depth));
         return 0;
     }
 
-    // Reads not finished (in flight, or not yet submitted while none failed).
-    bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
-
-    // Reaps completed reads (with `wait`, blocks until at least one completes), then submits
-    // more. Returns busy().
+    // Reaps completed reads (with `wait`, blocks until enough complete), then submits more.
+    // Returns busy().
     template <class Done>
     bool pump(bool wait, Done&& done) {
         if (in_flight_ == 0) {
             submit();
-            if (in_flight_ == 0) return false;  // a submission failed with nothing in flight
+            if (in_flight_ == 0) return false;  // nothing to read, or a submission failed with nothing in flight
         }
         struct timespec zero = {0, 0};
-        const int want = wait ? wake_after(in_flight_, st_->depth, next_ < extents_.size()) : 0;
+        const int want = wait ? wake_after(in_flight_, depth_, next_ < extents_.size()) : 0;
         const long got = syscall(SYS_io_getevents, st_->ctx, want, in_flight_, events_.data(), wait ? nullptr : &zero);
         if (got < 0) {
             if (errno == EINTR) return true;
@@ -364,26 +417,7 @@ class AioReads {
         for (long k = 0; k < got; ++k) {
             const io_event& ev = events_[static_cast<size_t>(k)];
             const int slot = static_cast<int>(ev.data & 0xFFFF);
-            const Extent& e = extents_[ev.data >> 16];
-            --in_flight_;
-            free_slots_.push_back(slot);
-            const uint8_t* buf = st_->buffers + static_cast<int64_t>(slot) * kMaxExtent;
-            if (ev.res < 0) {
-                if (error == 0) error = static_cast<int>(-ev.res);
-                if (failed < 0 || e.first < failed) failed = e.first;
-                continue;
-            }
-            int64_t i = e.first;
-            for (; i < e.last; ++i) {
-                const int64_t at = data_offset_ + rows_[i] * kRowBytes - e.start;
-                if (at + kRowBytes > static_cast<int64_t>(ev.res)) {  // the file ends early
-                    if (error == 0) error = -1;
-                    if (failed < 0 || i < failed) failed = i;
-                    break;
-                }
-                memcpy(out_ + (where_ != nullptr ? where_[i] : i) * kRowBytes, buf + at, kRowBytes);
-            }
-            if (i > e.first) done(e.first, i);
+            land(ev.data >> 16, slot, st_->buffers + static_cast<int64_t>(slot) * kMaxExtent, ev.res, done);
         }
         submit();
         return busy();
@@ -398,7 +432,7 @@ class AioReads {
             free_slots_.pop_back();
             iocb& cb = cbs_[static_cast<size_t>(slot)];
             memset(&cb, 0, sizeof cb);
-            cb.aio_data = (static_cast<uint64_t>(next_) << 16) | static_cast<uint64_t>(slot);
+            cb.aio_data = tag(next_, slot);
             cb.aio_lio_opcode = IOCB_CMD_PREAD;
             cb.aio_fildes = static_cast<uint32_t>(fd_);
             cb.aio_buf = reinterpret_cast<uint64_t>(st_->buffers + static_cast<int64_t>(slot) * kMaxExtent);
@@ -430,58 +464,29 @@ class AioReads {
     }
 
     AioState* st_ = nullptr;
-    int fd_ = -1;
-    int64_t data_offset_ = 0;
-    const int64_t* rows_ = nullptr;
-    uint8_t* out_ = nullptr;
-    const int64_t* where_ = nullptr;
-    std::vector<Extent> extents_;
     std::vector<iocb> cbs_;
     std::vector<iocb*> queue_;
     std::vector<io_event> events_;
-    std::vector<int> free_slots_;
-    size_t next_ = 0;
-    int in_flight_ = 0;
 };
 
 // The same reads by io_uring (engram_uring.h): submission and reaping in one io_uring_enter,
-// registered buffers. The engine is chosen per process (engram_rowio_set_engine, default:
+// registered buffers. The engine is chosen per process (engram_rowio_engine, default:
 // io_uring where the kernel allows it, else native AIO).
-class UringReads {
+class UringReads : public ExtentReads {
   public:
-    int error = 0;
-    int64_t failed = -1;
-
-    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
-              int depth) {
+    int begin(int fd, int64_t data_offset, const int64_t* rows, uint8_t* out, const int64_t* where, int depth) {
         static thread_local engram_io::Uring ring;
         ring_ = &ring;
         depth = std::max(1, std::min(depth, kMaxDepth));
         if (!ring.ready(depth, kMaxExtent)) return -2;
-        fd_ = fd;
-        data_offset_ = data_offset;
-        rows_ = rows;
-        out_ = out;
-        where_ = where;
-        extents_ = merge_extents(data_offset, rows, n);
-        free_slots_.clear();
-        for (int k = ring.depth - 1; k >= 0; --k) free_slots_.push_back(k);
-        next_ = 0;
-        in_flight_ = 0;
-        error = 0;
-        failed = -1;
-        queue();
-        const int err = ring.enter(0);
-        if (err != 0) fail_submit(err);
+        reset(fd, data_offset, rows, out, where, depth);
         return 0;
     }
-
-    bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
 
     template <class Done>
     bool pump(bool wait, Done&& done) {
         queue();
-        const int want = wait && in_flight_ > 0 ? wake_after(in_flight_, ring_->depth, next_ < extents_.size()) : 0;
+        const int want = wait && in_flight_ > 0 ? wake_after(in_flight_, depth_, next_ < extents_.size()) : 0;
         const int err = ring_->enter(static_cast<unsigned>(want));
         if (err != 0) {
             fail_submit(err);
@@ -489,26 +494,7 @@ class UringReads {
         }
         ring_->reap([&](uint64_t data, int res) {
             const int slot = static_cast<int>(data & 0xFFFF);
-            const Extent& e = extents_[data >> 16];
-            --in_flight_;
-            free_slots_.push_back(slot);
-            const uint8_t* buf = ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent;
-            if (res < 0) {
-                if (error == 0) error = -res;
-                if (failed < 0 || e.first < failed) failed = e.first;
-                return;
-            }
-            int64_t i = e.first;
-            for (; i < e.last; ++i) {
-                const int64_t at = data_offset_ + rows_[i] * kRowBytes - e.start;
-                if (at + kRowBytes > static_cast<int64_t>(res)) {  // the file ends early
-                    if (error == 0) error = -1;
-                    if (failed < 0 || i < failed) failed = i;
-                    break;
-                }
-                memcpy(out_ + (where_ != nullptr ? where_[i] : i) * kRowBytes, buf + at, kRowBytes);
-            }
-            if (i > e.first) done(e.first, i);
+            land(data >> 16, slot, ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent, res, done);
         });
         return busy();
     }
@@ -519,7 +505,7 @@ class UringReads {
             const int slot = free_slots_.back();
             free_slots_.pop_back();
             ring_->queue(fd_, extents_[next_].start, ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent,
-                         static_cast<uint32_t>(extents_[next_].length), (static_cast<uint64_t>(next_) << 16) | slot);
+                         static_cast<uint32_t>(extents_[next_].length), tag(next_, slot));
             ++next_;
             ++in_flight_;
         }
@@ -536,15 +522,6 @@ class UringReads {
     }
 
     engram_io::Uring* ring_ = nullptr;
-    int fd_ = -1;
-    int64_t data_offset_ = 0;
-    const int64_t* rows_ = nullptr;
-    uint8_t* out_ = nullptr;
-    const int64_t* where_ = nullptr;
-    std::vector<Extent> extents_;
-    std::vector<int> free_slots_;
-    size_t next_ = 0;
-    int in_flight_ = 0;
 };
 
 // 0: io_uring where available, else native AIO; 1: native AIO; 2: io_uring (else AIO).
@@ -561,13 +538,25 @@ int engine() {
 }
 
 // The O_DIRECT reads of one call by the process's engine: io_uring, or native AIO where
-// io_uring is unavailable (or asked for).
+// io_uring is unavailable (or asked for). begin(), then add() as the rows become known (all
+// at once, or as the disk step's lookup finds its misses), pump() until not busy().
 class AsyncReads {
   public:
-    int start(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, const int64_t* where,
-              int depth) {
-        uring_ = engine() != 1 && u_.start(fd, data_offset, rows, n, out, where, depth) == 0;
-        return uring_ ? 0 : aio_.start(fd, data_offset, rows, n, out, where, depth);
+    int begin(int fd, int64_t data_offset, const int64_t* rows, uint8_t* out, const int64_t* where, int depth) {
+        uring_ = engine() != 1 && u_.begin(fd, data_offset, rows, out, where, depth) == 0;
+        return uring_ ? 0 : aio_.begin(fd, data_offset, rows, out, where, depth);
+    }
+    // Rows [0, n) of the request are known: they join the reads, what slots allow is submitted
+    // and what completed is reaped (done as in pump).
+    template <class Done>
+    void add(int64_t n, Done&& done) {
+        if (uring_) {
+            u_.extend(n);
+            u_.pump(false, done);
+        } else {
+            aio_.extend(n);
+            aio_.pump(false, done);
+        }
     }
     bool busy() const { return uring_ ? u_.busy() : aio_.busy(); }
     template <class Done>
@@ -656,8 +645,10 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
     *failed = -1;
     if (n == 0) return 0;
     AsyncReads reads;
-    if (reads.start(fd, data_offset, rows, n, out, nullptr, depth) != 0) return -2;
-    while (reads.pump(true, [](int64_t, int64_t) {})) {
+    auto none = [](int64_t, int64_t) {};
+    if (reads.begin(fd, data_offset, rows, out, nullptr, depth) != 0) return -2;
+    reads.add(n, none);
+    while (reads.pump(true, none)) {
     }
     *failed = reads.failed();
     return reads.error();
@@ -725,24 +716,58 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
     static thread_local std::vector<int64_t> slot, miss_ids, hit_units, start, order;
     static thread_local std::vector<uint8_t> miss_rows;
     static thread_local std::vector<AdmitPick> picks;
+    static thread_local std::vector<std::pair<int64_t, int64_t>> early;
     slot.resize(static_cast<size_t>(unique));
-    if (cache != nullptr && unique > 0) {
-        lookup(*cache, wanted, unique, slot.data());
-    } else {
-        std::fill(slot.begin(), slot.end(), -1);
-    }
-    // Misses listed (positions in wanted) before anything else, so their reads go out first.
-    int64_t m = 0;
     miss_ids.resize(static_cast<size_t>(unique));
     hit_units.clear();
-    for (int64_t i = 0; i < unique; ++i) {
-        if (slot[i] < 0) {
-            missed[m] = i;
-            miss_ids[static_cast<size_t>(m++)] = wanted[i];
-        } else {
+
+    // O_DIRECT reads (io_uring or native AIO) go out while the lookup is still running: each
+    // kIssueBatch misses it finds are added to the reads at once (rows ascending, as the
+    // lookup goes), so the disk starts on the first ones while the rest are looked up. A row
+    // at or past the end of the file (truncated under us) is never issued: the step comes back
+    // unread once the reads already out are in, as when a read fails.
+    const bool async = file->mode == kReadAio;
+    AsyncReads reads;
+    int64_t file_rows = INT64_MAX;  // rows the file holds
+    int stat_error = 0;
+    if (async && unique > 0) {
+        struct stat st;
+        if (fstat(file->fd, &st) != 0)
+            stat_error = errno;
+        else
+            file_rows = std::max<int64_t>(0, (static_cast<int64_t>(st.st_size) - file->data_offset) / kRowBytes);
+    }
+    early.clear();
+    auto defer = [&](int64_t first, int64_t last) { early.emplace_back(first, last); };  // landed mid-lookup
+    bool began = false, unavailable = stat_error != 0;
+    int64_t m = 0, readable = 0, issued = 0;  // misses; of them a prefix in the file; of those added to reads
+    auto issue = [&] {
+        if (!began && !unavailable) {
+            began = reads.begin(file->fd, file->data_offset, miss_ids.data(), packed, missed, file->threads) == 0;
+            unavailable = !began;
+        }
+        if (began) reads.add(readable, defer);
+        issued = readable;
+    };
+    auto found = [&](int64_t i) {  // slot[i] is known
+        if (slot[i] >= 0) {
             hit_units.push_back(i);
+            return;
+        }
+        missed[m] = i;
+        miss_ids[static_cast<size_t>(m++)] = wanted[i];
+        if (readable == m - 1 && wanted[i] < file_rows) readable = m;
+        if (async && readable - issued >= kIssueBatch) issue();
+    };
+    if (cache != nullptr && unique > 0) {
+        lookup(*cache, wanted, unique, slot.data(), found);
+    } else {
+        for (int64_t i = 0; i < unique; ++i) {
+            slot[i] = -1;
+            found(i);
         }
     }
+    if (async && readable > issued) issue();
     result->misses = m;
     const int64_t hits = static_cast<int64_t>(hit_units.size());
     auto copy_hits = [&](int64_t b, int64_t e) {
@@ -762,7 +787,7 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
         });
     };
 
-    if (file->mode != kReadAio || m == 0) {  // all cached, or reads that block: one phase after another
+    if (!async || m == 0) {  // all cached, or reads that block: one phase after another
         copy_hits(0, hits);
         if (file->mode == kReadNone && m > 0) return kStepUnread;
         miss_rows.resize(static_cast<size_t>(std::max<int64_t>(m, 1) * kRowBytes));
@@ -780,30 +805,29 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
         return kStepOk;
     }
 
-    // Native AIO: every miss's read is issued first (up to the depth in flight, refilled as they
+    // O_DIRECT: the misses' reads are out (up to the depth in flight, refilled as they
     // complete); the hits' copies, the admission decisions and the hits' decode run while they
     // are in flight, each completed row is decoded as it lands, and only the admission's writes
     // wait for the last read (a failed step admits nothing). The policy sees the same state in
     // the same order as before: lookup, then admission decided on the state after every lookup.
-    struct stat st;
-    if (fstat(file->fd, &st) != 0) {
-        result->error = errno;
+    if (stat_error != 0 || readable < m) {  // fstat failed, or the file is truncated
+        while (began && reads.pump(true, defer)) {  // what is out lands in packed before we return
+        }
         copy_hits(0, hits);
+        result->error = stat_error != 0 ? stat_error : -1;
+        if (stat_error == 0) result->failed = m - 1;
         return kStepUnread;
     }
-    if (file->data_offset + (miss_ids[m - 1] + 1) * kRowBytes > static_cast<int64_t>(st.st_size)) {  // truncated
-        copy_hits(0, hits);
-        result->error = -1;
-        result->failed = m - 1;
-        return kStepUnread;
-    }
-    AsyncReads reads;
-    if (reads.start(file->fd, file->data_offset, miss_ids.data(), m, packed, missed, file->threads) != 0) {
+    if (!began) {
         copy_hits(0, hits);
         return kStepAioUnavailable;
     }
     const bool decode = rows_out != nullptr;
-    if (decode) group_positions(local, n, unique, start, order);
+    if (decode) {
+        group_positions(local, n, unique, start, order);
+        for (const auto& r : early)
+            decode_units(packed, start.data(), order.data(), unique, missed + r.first, r.second - r.first, rows_out);
+    }
     auto landed = [&](int64_t first, int64_t last) {  // misses [first, last) are in packed
         if (decode) decode_units(packed, start.data(), order.data(), unique, missed + first, last - first, rows_out);
     };
@@ -847,6 +871,17 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
         admit_commit(*cache, miss_ids.data(), picks, rejected, kRowBytes,
                      [&](int64_t src) { return packed + missed[src] * kRowBytes; });
     return kStepOk;
+}
+
+// The step's row decode (a test hook): want 0 the production one (AVX-512 where this CPU has
+// it), 1 the portable one, -1 leaves it. Returns 1 when the AVX-512 decode runs now, else 0.
+int engram_disk_step_decode(int want) {
+    using namespace engram_io;
+#if ENGRAM_HAVE_AVX512_DECODE
+    if (want == 0) use_avx512_decode().store(engram::avx512_decode_supported());
+#endif
+    if (want == 1) use_avx512_decode().store(false);
+    return use_avx512_decode().load() ? 1 : 0;
 }
 
 // The layout of the structures above, checked by stores/rowio.py against its ctypes copies.
