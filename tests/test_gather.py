@@ -314,12 +314,23 @@ def test_host_library_threads_agree(rng):
     # sentinel (0x1234) in some rows.
     out = torch.empty((ids.numel(), 256), dtype=torch.bfloat16)
     for call in range(60):
-        n = (129, 640, 10_000)[call % 3]
+        n = (512, 640, 10_000)[call % 3]  # the pool's smallest call, a ragged one, a large one
         out.view(torch.int16).fill_(0x1234)
         lib.gather(t.data_ptr(), ids.data_ptr(), 8, n, 0, t.shape[0], out.data_ptr(), 2)
         assert torch.equal(bits_of(out[:n]), outs[0][:n]), f"call {call}, {n} rows"
         if call % 10 == 9:
             time.sleep(0.002)
+
+
+def test_host_threads_for_call_size():
+    """One thread below 512 rows (a worker woken for less work joins too late to pay), never
+    more threads than 64-row tasks, all usable cores for 0."""
+    lib = cpu_lib().lib
+    threads_for = lib.engram_cpu_threads_for
+    threads_for.argtypes, threads_for.restype = [ctypes.c_int64, ctypes.c_int], ctypes.c_int
+    assert [threads_for(n, 2) for n in (1, 128, 511, 512, 6144)] == [1, 1, 1, 2, 2]
+    assert threads_for(512, 64) == 8 and threads_for(6144, 1) == 1
+    assert threads_for(1 << 20, 0) == lib.engram_cpu_default_threads()
 
 
 def test_reference_matches_oracle(rng):

@@ -218,7 +218,11 @@ void run_rows(const Job& j, int64_t begin, int64_t end) {
 // each other (libgomp spins up to 300k rounds by default); this pool spins for kSpinNs at most.
 constexpr int64_t kGrainRows = 64;      // ~50 KB moved per task
 static_assert(kGrainRows % kEmuRowsPerBlock == 0, "tasks hold whole emulated blocks");
-constexpr int64_t kSerialRows = 128;    // below this, threads cost more than they give
+// Below this many rows (~20 us of work on one thread) a call runs on the caller alone: a worker
+// asleep since the last call joins 20-25 us late (more when its wake-up lands on the caller's
+// core), so two threads lose under ~600 rows; measured on 2 vCPUs: 144-576 rows took 1.2-1.5x
+// longer on two threads than on one, back to back and 1 ms apart.
+constexpr int64_t kSerialRows = 512;
 
 // How long a worker that ran out of tasks, and a caller waiting for its workers' last tasks,
 // spin before they block. A futex wake-up costs 10-50 us on a VM (an inter-processor interrupt
@@ -361,6 +365,15 @@ Pool& pool_for(int threads) {
     return *g_pool;
 }
 
+// The threads a call of n rows runs on, given the caller's count (<= 0: all usable cores):
+// one below kSerialRows, never more than it has tasks.
+int threads_for(int64_t n, int threads) {
+    if (n < kSerialRows) return 1;
+    if (threads <= 0) threads = default_threads();
+    const int64_t tasks = (n + kGrainRows - 1) / kGrainRows;
+    return static_cast<int>(threads < tasks ? threads : tasks);
+}
+
 int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
            int64_t hi, uint16_t* out, int threads, int decoder) {
     if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
@@ -368,10 +381,8 @@ int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64
     if (ids == nullptr || out == nullptr || (table == nullptr && hi > lo)) return engram::kBadArgument;
     const bool stream = n * kRowValues * 2 >= kStreamBytes && (reinterpret_cast<uintptr_t>(out) & 63u) == 0;
     const Job j{table, ids, id_bytes, n, lo, hi, out, decoder, stream};
-    if (threads <= 0) threads = default_threads();
-    const int64_t useful = (n + kGrainRows - 1) / kGrainRows;
-    if (threads > useful) threads = static_cast<int>(useful);
-    if (threads <= 1 || n < kSerialRows) {
+    threads = threads_for(n, threads);
+    if (threads == 1) {
         run_rows(j, 0, n);
         return engram::kOk;
     }
@@ -388,6 +399,9 @@ extern "C" {
 int engram_cpu_abi_version(void) { return 1; }
 
 int engram_cpu_default_threads(void) { return default_threads(); }
+
+// The threads a gather of n rows runs on when asked for `threads` (<= 0: all usable cores).
+int engram_cpu_threads_for(int64_t n, int threads) { return threads_for(n, threads); }
 
 // Which row decode the production gather runs here: 1 the AVX-512 VBMI decode, 0 the portable
 // one (ISA clones of engram::dequant_row_host). For tests and benchmark reports.
