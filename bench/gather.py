@@ -9,7 +9,8 @@ never reach; the limit that matters is `raw`, measured in the same rounds: the h
 own gather loop (same ids, prefetch and threads) copying the packed rows with no decode. The
 "vs raw" column is the fused gather + decode's rows/s over raw's at the same thread count
 (`cpu xN`: the library called directly, as raw is; `cpu op`: through the torch op, on torch's
-intra-op threads).
+intra-op threads). Each backend's pass starts with the last-level cache evicted, so that none
+runs on rows another left cached.
 Where the host library decodes with AVX-512 VBMI, `portable` is its other decode (what CPUs
 without VBMI run) in the same rounds.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,11 +82,32 @@ def id_batches(shape, rows: int, dist: str, count: int, seed: int) -> list[torch
     return [torch.from_numpy(perm[(rng.zipf(1.2, n) - 1) % rows]).view(shape) for _ in range(count)]
 
 
-def time_calls(fn, batches) -> float:
-    """Best seconds per call over distinct id batches (the first call warms up)."""
+def cache_evictor():
+    """A function that writes twice the last-level cache (one thread): run before each backend's
+    pass so that every backend starts with none of the table's rows cached. Without it each one
+    ran on whatever rows the backend before it left in L3 (20 decode batches touch ~39 MB, about
+    this machine's 32 MiB L3), and the first backend of a case ran coldest; serving reads a table
+    far larger than the cache."""
+    try:
+        llc = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        llc = 0
+    junk = np.zeros(max(64 << 20, 2 * llc), dtype=np.uint8)
+
+    def evict():
+        np.add(junk, 1, out=junk)
+
+    return evict
+
+
+def time_calls(fn, batches, evict=None) -> float:
+    """Best seconds per call over distinct id batches, after `evict` (the first call warms up on
+    a batch that is not timed: its rows would be cached)."""
+    if evict is not None:
+        evict()
     fn(batches[0])
     best = float("inf")
-    for ids in batches:
+    for ids in batches[1:]:
         t0 = time.perf_counter()
         fn(ids)
         best = min(best, time.perf_counter() - t0)
@@ -104,7 +127,7 @@ def cpu_bench(args) -> dict:
     cases = []  # (batch, dist, shape, batches)
     for batch, shape in (("decode", DECODE_IDS), ("prefill", PREFILL_IDS)):
         for dist in ("uniform", "zipf"):
-            count = args.calls if batch == "decode" else max(3, args.calls // 4)
+            count = 1 + (args.calls if batch == "decode" else max(3, args.calls // 4))  # + the warm-up's
             cases.append((batch, dist, shape, id_batches(shape, args.rows, dist, count, seed=len(cases))))
     outs = {shape: torch.empty((*shape, 256), dtype=torch.bfloat16) for shape in (DECODE_IDS, PREFILL_IDS)}
     packed = {shape: torch.empty((*shape, READ), dtype=torch.uint8) for shape in (DECODE_IDS, PREFILL_IDS)}
@@ -135,6 +158,7 @@ def cpu_bench(args) -> dict:
     runs["torch"] = lambda ids: gather_dequant(table, ids, backend="torch")
     limits = {"memcpy_1_thread": 0.0, "memcpy_torch": 0.0}
     best: dict[tuple, float] = {}
+    evict = cache_evictor()
     for round_ in range(args.repeat):
         limits["memcpy_1_thread"] = max(limits["memcpy_1_thread"], memcpy_bandwidth(512 << 20))
         limits["memcpy_torch"] = max(limits["memcpy_torch"], torch_copy_bandwidth())
@@ -142,7 +166,7 @@ def cpu_bench(args) -> dict:
             for name, fn in runs.items():
                 if name == "torch" and round_:  # the reference is slow and only a yardstick
                     continue
-                sec = time_calls(fn, batches[:3] if name == "torch" else batches)
+                sec = time_calls(fn, batches[:3] if name == "torch" else batches, evict)
                 key = (batch, dist, name)
                 best[key] = min(best.get(key, float("inf")), sec)
     results = []
