@@ -220,7 +220,7 @@ constexpr int64_t kGrainRows = 64;      // ~50 KB moved per task
 static_assert(kGrainRows % kEmuRowsPerBlock == 0, "tasks hold whole emulated blocks");
 // Below this many rows (~20 us of work on one thread) a call runs on the caller alone: a worker
 // asleep since the last call joins 20-25 us late (more when its wake-up lands on the caller's
-// core), so two threads lose under ~600 rows; measured on 2 vCPUs: 144-576 rows took 1.2-1.5x
+// core), so two threads lose under ~600 rows; measured on 2 vCPUs: 144-576 rows took 1.2-1.35x
 // longer on two threads than on one, back to back and 1 ms apart.
 constexpr int64_t kSerialRows = 512;
 
