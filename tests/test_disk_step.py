@@ -133,6 +133,27 @@ def test_the_step_decode_is_the_cpus_best():
     assert rowio.step_decode("auto") == ("avx512" if has else "portable")
 
 
+@pytest.mark.parametrize("engine", ["auto", "aio"])
+def test_a_call_keeps_at_most_its_own_depth_in_flight(tmp_path, engine):
+    """A thread's ring (or AIO context) is made for the deepest call so far; a shallower call
+    after it still keeps at most its own depth in flight (it kept the ring's, 256, before)."""
+    path = tmp_path / "sparse.rows"
+    with open(path, "wb") as f:
+        f.truncate(DATA_OFFSET + 40_000 * ROW_BYTES)
+    rows = np.arange(0, 40_000, 40, dtype=np.int64)  # 10 KiB apart: one read each, never merged
+    out = np.empty((rows.shape[0], ROW_BYTES), np.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        rowio.read_engine(engine)
+        for depth, most in ((256, 256), (4, 4), (256, 256), (16, 16)):
+            assert rowio.aio_read_rows(fd, DATA_OFFSET, rows, out, depth) == (0, -1)
+            assert 1 <= rowio.last_reads_in_flight() <= most
+        assert rowio.last_reads_in_flight() == 16 and not out.any()
+    finally:
+        os.close(fd)
+        rowio.read_engine("auto")
+
+
 @pytest.mark.parametrize("depth", [4, 256])
 def test_a_file_truncated_under_reads_already_out(tmp_path, rng, depth):
     """O_DIRECT misses are read while the lookup still runs: when a later miss lies past the

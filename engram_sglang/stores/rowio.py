@@ -135,6 +135,11 @@ def read_engine(want: Optional[str] = None) -> str:
     return "io_uring" if library().engram_rowio_engine(codes[want]) == 0 else "aio"
 
 
+def last_reads_in_flight() -> int:
+    """The most reads the calling thread's last aio_read_rows had in flight (a test hook)."""
+    return int(library().engram_rowio_last_peak())
+
+
 def step_decode(want: Optional[str] = None) -> str:
     """The native step's row decode (a test hook): "avx512" where this CPU has AVX-512 VBMI,
     else "portable"; want="portable" forces the portable one, want="auto" goes back."""

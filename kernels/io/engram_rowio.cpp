@@ -293,6 +293,9 @@ class ExtentReads {
     // Reads not finished (in flight, or added and not yet submitted while none failed).
     bool busy() const { return in_flight_ > 0 || (error == 0 && next_ < extents_.size()); }
 
+    // The most reads this call had out at once (a test hook: never more than its depth).
+    int peak() const { return peak_; }
+
     // Rows [added_, n) of the request join the extents (submitted by the next pump): ascending
     // rows whose pages touch an extent not yet submitted are one read with it, while it stays small.
     void extend(int64_t n) {
@@ -329,6 +332,7 @@ class ExtentReads {
         next_ = 0;
         added_ = 0;
         in_flight_ = 0;
+        peak_ = 0;
         error = 0;
         failed = -1;
     }
@@ -372,6 +376,7 @@ class ExtentReads {
     size_t next_ = 0;  // extents submitted
     int64_t added_ = 0;
     int in_flight_ = 0;
+    int peak_ = 0;
 };
 
 // Reads of ascending rows of an O_DIRECT file by native AIO, `depth` in flight, driven by the
@@ -460,6 +465,7 @@ class AioReads : public ExtentReads {
             }
             done += static_cast<int>(r);
             in_flight_ += static_cast<int>(r);
+            peak_ = std::max(peak_, in_flight_);
         }
     }
 
@@ -507,7 +513,7 @@ class UringReads : public ExtentReads {
             ring_->queue(fd_, extents_[next_].start, ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent,
                          static_cast<uint32_t>(extents_[next_].length), tag(next_, slot));
             ++next_;
-            ++in_flight_;
+            peak_ = std::max(peak_, ++in_flight_);
         }
     }
 
@@ -526,6 +532,8 @@ class UringReads : public ExtentReads {
 
 // 0: io_uring where available, else native AIO; 1: native AIO; 2: io_uring (else AIO).
 std::atomic<int> g_engine{-1};
+
+thread_local int t_last_peak = 0;  // engram_rowio_last_peak
 
 int engine() {
     int e = g_engine.load(std::memory_order_relaxed);
@@ -565,6 +573,7 @@ class AsyncReads {
     }
     int error() const { return uring_ ? u_.error : aio_.error; }
     int64_t failed() const { return uring_ ? u_.failed : aio_.failed; }
+    int peak() const { return uring_ ? u_.peak() : aio_.peak(); }
 
   private:
     AioReads aio_;
@@ -650,9 +659,13 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
     reads.add(n, none);
     while (reads.pump(true, none)) {
     }
+    t_last_peak = reads.peak();
     *failed = reads.failed();
     return reads.error();
 }
+
+// The most reads the calling thread's last engram_rowio_aio call had in flight (a test hook).
+int engram_rowio_last_peak(void) { return t_last_peak; }
 
 // The engine of O_DIRECT reads for this process: want 0 io_uring where available (the
 // default; ENGRAM_IO_ENGINE=aio makes it 1), 1 native AIO, -1 leaves it. Returns the setting,
