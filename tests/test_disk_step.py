@@ -358,3 +358,20 @@ def test_the_serving_knob_reaches_the_store(tables):
         finally:
             for s in stores.values():
                 s.close()
+
+
+@pytest.mark.parametrize("field", ["POLICY_FORMAT", "_CAP", "SKETCH_DEPTH"])
+def test_a_library_built_for_another_policy_format_refuses_to_load(monkeypatch, field):
+    """Same structure sizes, other array format (the 8-bit -> 4-bit sketch change kept every
+    size): a stale library must not read the new arrays the old way."""
+    from engram_sglang.stores import dram_cache
+
+    monkeypatch.setattr(dram_cache, field, getattr(dram_cache, field) + 1)
+    rowio.library.cache_clear()
+    try:
+        with pytest.raises(EngramError, match=r"DRAM policy format .* rebuild it \(`make rowio`\)"):
+            rowio.library()
+    finally:
+        monkeypatch.undo()
+        rowio.library.cache_clear()
+    rowio.library()

@@ -50,6 +50,9 @@ ADMISSIONS = ("frequency", "lru")
 # share of the count-min sketch (frequency admission).
 SLOT_OVERHEAD = 8 + 8 + 1 + SKETCH_DEPTH * SKETCH_PER_SLOT // 2
 _CAP = 15  # counts saturate here (4-bit counters)
+# The arrays' format, checked against the native policy's (kPolicyFormat in
+# kernels/io/engram_dram_policy.h) when its library loads: bump both with any change to it.
+POLICY_FORMAT = 2
 # Sketch rows 2k and 2k+1 share plane k of `width` bytes: row 2k in the low nibbles, 2k+1 in the
 # high ones. So a row's update is one gather and one maximum.at over its bytes (the other nibble
 # only rides along), as cheap as with uint8 counters.

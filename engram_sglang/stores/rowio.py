@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import nativelibs
 from ..errors import EngramError
+from . import dram_cache
 from .dram_cache import STATE_FIELDS
 from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
@@ -38,11 +39,14 @@ def library() -> ctypes.CDLL:
     lib.engram_disk_step.restype = ctypes.c_int
     lib.engram_disk_step_layout.argtypes = [ctypes.c_int]
     lib.engram_disk_step_layout.restype = i64
-    built = [lib.engram_disk_step_layout(k) for k in range(4)]
-    ours = [ctypes.sizeof(DiskFile), ctypes.sizeof(DramCacheView), ctypes.sizeof(StepResult), len(STATE_FIELDS)]
+    # Structure sizes and the DRAM policy's array format: a library built from other sources
+    # would otherwise read this package's arrays the old way (silently wrong counts, or a crash).
+    built = [lib.engram_disk_step_layout(k) for k in range(8)]
+    ours = [ctypes.sizeof(DiskFile), ctypes.sizeof(DramCacheView), ctypes.sizeof(StepResult), len(STATE_FIELDS),
+            dram_cache.POLICY_FORMAT, dram_cache._CAP, dram_cache.SKETCH_DEPTH, dram_cache._CLOCK_BITS]
     if built != ours:
-        raise EngramError(f"native row I/O library {path}: its step structures {built} differ from this "
-                          f"package's {ours}: rebuild it (`make rowio`)")
+        raise EngramError(f"native row I/O library {path}: its step structures and DRAM policy format {built} "
+                          f"differ from this package's {ours}: rebuild it (`make rowio`)")
     return lib
 
 

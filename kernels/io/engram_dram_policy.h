@@ -22,6 +22,10 @@ constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D
                                                  0xE7037ED1A0B428DBull, 0x8EBC6AF09C88C6E3ull};
 // 4-bit sketch counters: rows 2k and 2k+1 share plane k of `width` bytes (2k low nibbles, 2k+1 high).
 constexpr int kCountCap = 15;
+// The format of the policy's arrays (counter width and packing). Bumped with any change to it:
+// a library built before the change then refuses to load (stores/rowio.py compares it with
+// dram_cache.POLICY_FORMAT) instead of reading the new arrays the old way. 2: 4-bit counters.
+constexpr int64_t kPolicyFormat = 2;
 constexpr int kClockBits = 48;
 constexpr int64_t kUsedNow = INT64_MAX;
 // Ids ahead whose cache lines are prefetched: a decode step's lookups touch ~7 random lines

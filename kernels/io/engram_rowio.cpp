@@ -905,6 +905,10 @@ int64_t engram_disk_step_layout(int what) {
         case 1: return static_cast<int64_t>(sizeof(DramCache));
         case 2: return static_cast<int64_t>(sizeof(StepResult));
         case 3: return kStateLen;
+        case 4: return kPolicyFormat;
+        case 5: return kCountCap;
+        case 6: return kSketchDepth;
+        case 7: return kClockBits;
         default: return -1;
     }
 }
