@@ -550,3 +550,26 @@ def test_gpu_check_dry_run(tmp_path):
                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout and (tmp_path / "gpu_check_dry.json").exists()
+
+
+def test_a_large_host_output_without_transparent_huge_pages_uses_plain_pages(monkeypatch):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL on a kernel built without THP: a prefill-sized
+    CPU gather must still return its rows, not raise."""
+    import errno
+    import mmap as real_mmap
+    import types
+
+    from engram_sglang.ops import gather as gather_module
+
+    class NoHugePages(real_mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(gather_module, "mmap", types.SimpleNamespace(
+        mmap=NoHugePages, MADV_HUGEPAGE=real_mmap.MADV_HUGEPAGE, MAP_PRIVATE=real_mmap.MAP_PRIVATE,
+        MAP_ANONYMOUS=real_mmap.MAP_ANONYMOUS))
+    table = torch.randint(0, 256, (16, ROW_BYTES), dtype=torch.uint8)
+    ids = torch.randint(0, 16, (2048, 33), dtype=torch.int64)  # 33 MiB of bf16 rows: past the threshold
+    got = gather_module.gather_dequant(table, ids, backend="torch")
+    want = rowformat.dequantize(table[ids.reshape(-1)]).view(2048, 33, 256)
+    assert torch.equal(rowformat.bf16_bits(got), rowformat.bf16_bits(want))

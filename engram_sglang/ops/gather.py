@@ -167,7 +167,10 @@ def _host_output(shape: tuple[int, ...]) -> torch.Tensor:
     if nbytes < _HUGE_OUTPUT_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=torch.bfloat16)
     mem = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mem.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
+        pass
     words = np.frombuffer(mem, dtype=np.uint8)
     start = -words.ctypes.data % _HUGE_PAGE  # huge pages cover 2 MiB-aligned ranges only
     return torch.from_numpy(words[start:start + nbytes]).view(torch.bfloat16).view(shape)
