@@ -292,7 +292,9 @@ class Pool {
             busy_ = 0;
             ++generation_;
         }
-        cv_work_.notify_all();  // no system call while every worker still spins (none waits)
+        // Wake at most `helpers` sleepers (a worker still spinning from the last call needs no
+        // wake-up, and one woken beyond the seats would only go back to sleep).
+        for (int i = 0; i < helpers; ++i) cv_work_.notify_one();
         drain();
         std::unique_lock<std::mutex> lk(mu_);
         seats_ = 0;  // late wakers find no seat
@@ -317,9 +319,12 @@ class Pool {
     }
     void worker() {
         uint64_t seen = 0;
+        // Spin for the next job only after a job that seated this worker: a pool wider than the
+        // calls' thread counts would otherwise burn kSpinNs a call in every worker without a seat.
+        bool seated = false;
         std::unique_lock<std::mutex> lk(mu_);
         for (;;) {
-            if (!stop_ && generation_.load(std::memory_order_relaxed) == seen) {
+            if (seated && !stop_ && generation_.load(std::memory_order_relaxed) == seen) {
                 lk.unlock();
                 spin_for([&] { return generation_.load(std::memory_order_acquire) != seen; }, kSpinNs);
                 lk.lock();
@@ -327,7 +332,8 @@ class Pool {
             cv_work_.wait(lk, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
             if (stop_) return;
             seen = generation_;
-            if (seats_ <= 0 || job_ == nullptr) continue;
+            seated = seats_ > 0 && job_ != nullptr;
+            if (!seated) continue;
             --seats_;
             ++busy_;
             lk.unlock();
