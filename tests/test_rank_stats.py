@@ -15,9 +15,9 @@ from engram_sglang.serving.settings import ServeSettings
 CFG = small_config(300, layer_ids=(1, 3), n_heads=2)
 
 
-def labels(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1):
-    return {"tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": dp_rank, "dp_size": dp_size, "attn_dp_rank": 0,
-            "attn_cp_rank": 0}
+def labels(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1):
+    return {"tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": dp_rank, "dp_size": dp_size, "pp_rank": pp_rank,
+            "pp_size": pp_size, "attn_dp_rank": 0, "attn_cp_rank": 0}
 
 
 @pytest.mark.parametrize("template, ranks, want", [
@@ -27,6 +27,9 @@ def labels(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1):
     ("/s/stats", labels(3, 4), "/s/stats.tp3.dp0"),
     ("/s/{rank}/e.json", labels(1, 2, 1, 2), "/s/tp1.dp1/e.json"),
     ("/s/{rank}.json", labels(), "/s/tp0.dp0.json"),
+    # Pipeline stages share TP and DP ranks: each stage its own file (review R3.4).
+    ("/s/stats.json", labels(pp_rank=1, pp_size=2), "/s/stats.tp0.dp0.pp1.json"),
+    ("/s/{rank}.json", labels(1, 2, 0, 1, 0, 2), "/s/tp1.dp0.pp0.json"),
 ])
 def test_the_stats_file_of_each_rank(template, ranks, want):
     assert str(stats_path(template, ranks)) == want

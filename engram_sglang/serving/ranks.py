@@ -10,13 +10,15 @@ from pathlib import Path
 # number; tp_rank is SGLang's, unique within a replica also under attention DP/CP (where the
 # runtime itself opens the tables as TP 1); attn_*: the attention DP group and CP rank.
 _FROM_SGLANG = (("tp_rank", "tp_rank"), ("tp_size", "tp_size"), ("dp_rank", "dp_rank"), ("dp_size", "dp_size"),
-                ("attn_dp_rank", "attn_dp_rank"), ("attn_cp_rank", "attn_cp_rank"))
+                ("pp_rank", "pp_rank"), ("pp_size", "pp_size"), ("attn_dp_rank", "attn_dp_rank"),
+                ("attn_cp_rank", "attn_cp_rank"))
 
 
 def rank_labels(tp_rank: int = 0, tp_size: int = 1) -> dict[str, int]:
     """This process's ranks as SGLang publishes them; what it has not published (outside a
     server: unit tests, tools) comes from the runtime's own `tp_rank`/`tp_size`, else 0 of 1."""
-    out = {"tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": 0, "dp_size": 1, "attn_dp_rank": 0, "attn_cp_rank": 0}
+    out = {"tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+           "attn_dp_rank": 0, "attn_cp_rank": 0}
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -34,13 +36,16 @@ def rank_labels(tp_rank: int = 0, tp_size: int = 1) -> dict[str, int]:
 
 
 def stats_path(template: str, labels: dict[str, int]) -> Path:
-    """The `--engram-stats-file` of this rank: `{rank}` in the path becomes `tpN.dpM`; else,
-    with more than one rank (TP or DP > 1), `.tpN.dpM` goes before the extension
-    (stats.json -> stats.tp1.dp0.json); one rank writes the path as given."""
+    """The `--engram-stats-file` of this rank: `{rank}` in the path becomes `tpN.dpM` (plus
+    `.ppK` with pipeline stages, whose ranks share TP and DP ranks); else, with more than one
+    rank, that goes before the extension (stats.json -> stats.tp1.dp0.json); one rank writes
+    the path as given."""
     rank = f"tp{labels['tp_rank']}.dp{labels['dp_rank']}"
+    if labels.get("pp_size", 1) > 1:
+        rank += f".pp{labels['pp_rank']}"
     if "{rank}" in template:
         return Path(template.replace("{rank}", rank))
     path = Path(template)
-    if labels["tp_size"] == 1 and labels["dp_size"] == 1:
+    if labels["tp_size"] == 1 and labels["dp_size"] == 1 and labels.get("pp_size", 1) == 1:
         return path
     return path.with_name(f"{path.stem}.{rank}{path.suffix}")

@@ -77,7 +77,8 @@ KNOBS: tuple[Knob, ...] = (
          "(else such a request gets HTTP 400)"),
     Knob("trace", "str", None, "append one JSON line per step (hash ids and row checksums per token) to this file"),
     Knob("stats-file", "str", None, "keep table statistics (JSON) up to date in this file, one per rank: `{rank}` in "
-         "the path becomes tpN.dpM, else with TP or DP > 1 `.tpN.dpM` goes before the extension"),
+         "the path becomes tpN.dpM (tpN.dpM.ppK with pipeline stages), else with TP, DP or PP > 1 it goes before the "
+         "extension"),
     Knob("debug", "list", (), "negative controls for tests only: corrupt-history, skip-wait", DEBUG_KNOBS),
 )
 
