@@ -114,9 +114,9 @@ def _dram_cache(rows: int, nbytes: int):
     """The disk tier's DRAM cache of `nbytes` (the store's class and geometry), at most `rows`
     rows; its row bytes are not kept (one row of memory stands for all: the policy reads
     tags, clocks and counts, never the bytes)."""
-    from ..stores.dram_cache import DramRowCache, plan_slots
+    from ..stores.dram_cache import DEFAULT_WAYS, DramRowCache, plan_slots
 
-    if plan_slots(nbytes, 8) < 8:
+    if plan_slots(nbytes, DEFAULT_WAYS) < DEFAULT_WAYS:
         return None
     cache = DramRowCache(nbytes, max_rows=rows, huge_pages=False)
     cache.rows = np.lib.stride_tricks.as_strided(np.zeros(ROW_BYTES, np.uint8), (cache.slots, ROW_BYTES), (0, 1))
@@ -293,10 +293,11 @@ def predict(*, layers: Sequence[int], rows: Sequence[int], columns: int, batch: 
                 raise PlannerError(f"the trace's layer {L} reads row {int(trace[L].max())}, past the table's {r} rows")
             per_layer[L] = replay(trace[L], r, batch, per_dram[L], per_hot[L], warm_steps)
         else:
+            from ..stores.dram_cache import DEFAULT_WAYS
             from ..stores.dram_cache import plan_slots as dram_slots
             from ..stores.row_directory import plan_slots as hot_slots
 
-            cached = (dram_slots(per_dram[L], 8) if per_dram[L] else 0) + (hot_slots(per_hot[L], 16) if per_hot[L] else 0)
+            cached = (dram_slots(per_dram[L], DEFAULT_WAYS) if per_dram[L] else 0) + (hot_slots(per_hot[L], 16) if per_hot[L] else 0)
             hit = default_hit_rate(cached / r)
             fetches = batch * columns * DEFAULT_UNIQUE
             per_layer[L] = {"batch": batch, "ids_per_step": batch * columns, "fetches_per_step": fetches,

@@ -46,6 +46,12 @@ SKETCH_DEPTH = _SKETCH_MULTS.shape[0]
 SKETCH_PER_SLOT = 4
 SAMPLE_FACTOR = 10  # the sketch halves once per this many x slots rows looked up
 ADMISSIONS = ("frequency", "lru")
+# Rows per set. 16 over 8: +0.4 to +0.6 points of hits at 10% of the rows (code, prose, raw and
+# behind a hot-row cache; code's raw trace then equal to fully associative LRU, 8 ways 0.4
+# below), +0.0 to +0.3 at 1%; CPU of a 6k-id call: native step +2-8% with every row a hit (the
+# tags' second cache line is prefetched with the first), +5-10% with admissions, numpy +16-22%
+# (docs/measurements.md section 6). 32 ways: +0.1 to +0.2 more, numpy's CPU twice 8 ways'.
+DEFAULT_WAYS = 16
 # Host bytes per slot besides its row: tag (int64), last use (int64), count (uint8) and its
 # share of the count-min sketch (frequency admission).
 SLOT_OVERHEAD = 8 + 8 + 1 + SKETCH_DEPTH * SKETCH_PER_SLOT // 2
@@ -117,7 +123,7 @@ class DramRowCache:
     _ahead = _StateField(3, bool)  # begin() was called since the last lookup: the next admission reads ahead
     lookups, hits, admitted, rejected = (_StateField(i, int) for i in range(4, 8))
 
-    def __init__(self, nbytes: int, *, ways: int = 8, max_rows: int | None = None, huge_pages: bool = True,
+    def __init__(self, nbytes: int, *, ways: int = DEFAULT_WAYS, max_rows: int | None = None, huge_pages: bool = True,
                  admission: str = "frequency"):
         if ways < 1:
             raise EngramError(f"DRAM row cache: ways must be >= 1, got {ways}")
