@@ -104,6 +104,8 @@ constexpr int kMaxThreads = 256;
 // rows. A call hands out work items through an atomic counter; the caller works too.
 class Pool {
   public:
+    pid_t pid() const { return pid_; }
+
     void run(int threads, int64_t items, const std::function<void(int64_t)>& fn) {
         threads = std::min(threads, kMaxThreads);
         if (threads <= 1 || items <= 1) {
@@ -171,6 +173,7 @@ class Pool {
         }
     }
 
+    const pid_t pid_ = getpid();
     std::mutex call_mutex_, mutex_;
     std::condition_variable wake_, done_;
     std::vector<std::thread> threads_;
@@ -182,9 +185,16 @@ class Pool {
     bool stop_ = false;
 };
 
+std::mutex g_pool_mutex;
+Pool* g_pool = nullptr;  // never destroyed: workers may outlive static teardown
+
 Pool& pool() {
-    static Pool* p = new Pool();  // never destroyed: workers may outlive static teardown
-    return *p;
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    // A forked child inherits the Pool object but none of its threads (a call would wait for
+    // helpers that do not exist): start a new one and leak the old, whose mutexes may be held
+    // by threads that are gone.
+    if (g_pool == nullptr || g_pool->pid() != getpid()) g_pool = new Pool();
+    return *g_pool;
 }
 
 void record_failure(std::atomic<int64_t>& first, int64_t index) {
@@ -246,11 +256,22 @@ struct AioState {
     aio_context_t ctx = 0;
     int depth = 0;
     uint8_t* buffers = nullptr;
+    pid_t owner = 0;  // the process whose context ctx is
     ~AioState() {
-        if (ctx != 0) syscall(SYS_io_destroy, ctx);
+        if (ctx != 0 && owner == getpid()) syscall(SYS_io_destroy, ctx);
         free(buffers);
     }
     bool ready(int want) {
+        if (owner != getpid()) {
+            // A forked child: ctx names its parent's context (every io_submit here fails with
+            // EINVAL, and io_destroy is not ours to call); its reads never land in this copy of
+            // the buffers, so they are freed and the context set up again.
+            ctx = 0;
+            depth = 0;
+            free(buffers);
+            buffers = nullptr;
+            owner = getpid();
+        }
         if (depth >= want) return true;
         if (ctx != 0) syscall(SYS_io_destroy, ctx);
         ctx = 0;
