@@ -35,10 +35,10 @@ and hit rates of a row sample track the whole trace's (SHARDS, Waldspurger et al
 --shard 1 replays everything).
 
     python bench/cache.py [--kinds code prose] [--layers 0 1] [--shard 16] [--reads-per-row 0.5]
-    python bench/cache.py --dram [--sizes 0.01 0.1] [--hot-share 0.005]
+    python bench/cache.py --dram [--sizes 0.01 0.1] [--hot-share 0.005] [--reuse] [--dram-ways 4 8 16 32]
 
 --dram: the disk tier's DRAM row cache (`engram_sglang.stores.dram_cache.DramRowCache`, the
-code the store runs, 8 ways): its frequency admission against its LRU policy of before (same
+code the store runs, 16 ways): its frequency admission against its LRU policy of before (same
 geometry) and exact fully associative LRU, on the raw trace and on the trace a hot-row cache
 (RowDirectory) of --hot-share of the rows in front leaves over (its misses, per step), beside
 the ceilings on the same trace (ideal LFU, hindsight frequency, Belady: as above); and the
@@ -52,8 +52,14 @@ LRU-2; the n-gram order as a prior (code -0.1..-0.4, prose +0.4); the DRAM sketc
 counting the rows the hot-row cache served (-0.1); exclusive caching (the DRAM cache's own
 policy with an 8x wider sketch; rows the hot-row cache admits made the first victims in DRAM,
 the rows it evicts admitted: at 1% +2.4 over LRU on code, +3.3 on prose, at 10% -3.6 and -1.6;
-the demotion alone -6 at 10%); the LRU way as the victim (-1.2); 16 ways (+0.0 to +0.6, two
-cache lines of tags a lookup).
+the demotion alone -6 at 10%); the LRU way as the victim (-1.2). Then (--reuse, idealized:
+bench/reuse_policies.py) the policies that exploit timing online, code / prose behind at 1%
+over LRU: ARC +0.8 / +1.1, LIRS -0.6 / +2.6, LHD +0.9 / +1.1, S3-FIFO -0.7 / +1.9, the next
+arrival predicted from a row's last gap -0.6 / +2.4 (behind the hot-row cache successive gaps
+barely correlate: log-gap correlation 0.10 code, -0.01 prose; 0.63 / 0.54 on the raw trace),
+and the victim's count halved per 0.5-2 LRU residence times since its last use (8 ways: -5.8
+to +0.2). --dram-ways: 16 ways (the default since) +0.4 to +0.6 at 10% over 8, +0.0 to +0.3
+at 1%; 32 ways +0.1 to +0.3 more for twice numpy's CPU (bench/dram_ways_cost.py).
 
 Measured (layer 1, shard 1/16; ours / ideal LFU / hindsight / Belady): code 0.1%
 22.7/22.8/23.4/33.2, 1% 42.3/42.6/45.2/56.5, 10% 63.9/64.4/66.3/66.3; prose 1%
@@ -79,11 +85,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT, print_table, write_json  # noqa: E402
+from dram_ways_cost import call_costs  # noqa: E402
+from reuse_policies import POLICIES as REUSE_POLICIES  # noqa: E402
 from workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
 
 from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
 from engram_sglang.stores.cache import RowDirectory  # noqa: E402
-from engram_sglang.stores.dram_cache import DramRowCache  # noqa: E402
+from engram_sglang.stores.dram_cache import DEFAULT_WAYS, DramRowCache  # noqa: E402
 
 SIZES = (0.001, 0.005, 0.01, 0.02, 0.05, 0.10)  # shares of the table's rows
 INF = np.iinfo(np.int32).max
@@ -277,7 +285,7 @@ def ours(trace: Trace, capacity: int, maintain_every: int, profile=None, **optio
     return hits
 
 
-def dram(trace: Trace, capacity: int, admission: str, ways: int = 8) -> int:
+def dram(trace: Trace, capacity: int, admission: str, ways: int = DEFAULT_WAYS) -> int:
     """Hits of the disk tier's DramRowCache (the store's code) of `capacity` rows; misses
     admitted after each step as the store does (the rows' bytes do not matter here)."""
     cache = DramRowCache(1 << 62, ways=ways, max_rows=capacity, admission=admission, huge_pages=False)
@@ -459,6 +467,12 @@ def run_dram(kind: str, args) -> list[dict]:
                 row["ideal_lfu"] = ideal_lfu(trace, cap) / trace.fetches
                 row["hindsight"] = hindsight(trace, cap) / trace.fetches
                 row["belady"] = belady(trace, cap) / trace.fetches
+                if args.reuse:  # reuse-distance-aware policies, idealized (bench/reuse_policies.py)
+                    for name, policy in REUSE_POLICIES.items():
+                        row[name] = policy(trace, cap) / trace.fetches
+                for w in args.dram_ways:  # associativity: the same cache at other ways, both admissions
+                    row[f"dram_{w}w"] = dram(trace, cap, "frequency", ways=w) / trace.fetches
+                    row[f"dram_lru_{w}w"] = dram(trace, cap, "lru", ways=w) / trace.fetches
                 results.append(row)
                 print(f"    {trace_name} {share:.1%}: " + ", ".join(f"{n} {row[n]:.1%}" for n in DRAM_POLICIES), flush=True)
         # CPU cost per decode-sized call: the unsharded trace (a step's 256 x 24 ids).
@@ -466,14 +480,20 @@ def run_dram(kind: str, args) -> list[dict]:
                               max(1, int(args.sizes[0] * rows)))
         cost.update(kind=kind, layer=layer_id, share=args.sizes[0], capacity=int(args.sizes[0] * rows))
         results.append({"cost": cost})
+        if args.dram_ways:  # what associativity costs per call, at the largest size (CPU only)
+            share = max(args.sizes)
+            ways_cost = call_costs([s.reshape(-1).numpy() for s in all_steps[: 100 + args.cost_steps]],
+                                   max(1, int(share * rows)), args.dram_ways)
+            results.append({"ways_cost": {**ways_cost, "kind": kind, "layer": layer_id, "share": share}})
         print(f"    lookup + admit per call of {cost['ids_per_call']:.0f} distinct ids (cache {args.sizes[0]:.1%}): "
               f"frequency {cost['frequency_us']:.0f} us, LRU {cost['lru_us']:.0f} us", flush=True)
     return results
 
 
 def report_dram(results: list[dict], args) -> int:
-    rates = [r for r in results if "cost" not in r]
+    rates = [r for r in results if "cost" not in r and "ways_cost" not in r]
     costs = [r["cost"] for r in results if "cost" in r]
+    ways_costs = [r["ways_cost"] for r in results if "ways_cost" in r]
     for kind, layer in sorted({(r["kind"], r["layer"]) for r in rates}):
         body = []
         for r in (r for r in rates if r["kind"] == kind and r["layer"] == layer):
@@ -490,12 +510,31 @@ def report_dram(results: list[dict], args) -> int:
                   f"{c['lru_us']:.0f}", f"{c['frequency_us'] / c['lru_us']:.2f}"] for c in costs])
     # Goals: >= LRU + 3 points at 1%, never below LRU at 10% (both LRUs); beside them the
     # ceilings over LRU (no online policy passes Belady's; ideal LFU's is the online frequency one).
+    if args.reuse:
+        body = [[r["kind"], r["trace"], f"{r['share']:.1%}", *(f"{r[n]:.1%}" for n in ("lru", "dram", *REUSE_POLICIES)),
+                 f"{r['belady']:.1%}", f"{100 * (max(r[n] for n in REUSE_POLICIES) - r['lru']):+.1f}"] for r in rates]
+        print_table("Reuse-distance-aware policies (idealized, fully associative; bench/reuse_policies.py)",
+                    ["kind", "trace", "cache size", "LRU", "DRAM (ours)", *REUSE_POLICIES, "Belady", "best - LRU"], body)
+    if args.dram_ways:
+        print_table("Associativity: the DRAM row cache at other ways (frequency / LRU admission)",
+                    ["kind", "trace", "cache size", "LRU, fully assoc.",
+                     *(f"{w} ways" for w in args.dram_ways)],
+                    [[r["kind"], r["trace"], f"{r['share']:.1%}", f"{r['lru']:.1%}",
+                      *(f"{r[f'dram_{w}w']:.1%} / {r[f'dram_lru_{w}w']:.1%}" for w in args.dram_ways)] for r in rates])
+    if ways_costs:
+        print_table("Associativity: CPU per decode-sized call, median ms (bench/dram_ways_cost.py; interleaved)",
+                    ["kind", "cache size", "distinct ids", "ways", "numpy lookup + admit", "native, all hits (ids)",
+                     "native with admissions", "native hit rate"],
+                    [[c["kind"], f"{c['share']:.1%}", f"{c['ids_per_call']:.0f}", w, f"{c[w]['numpy_ms']:.2f}",
+                      f"{c[w]['native_hits_ms']:.3f} ({c['hit_ids_per_call']:.0f})", f"{c[w]['native_ms']:.3f}",
+                      f"{c[w]['native_hit_rate']:.1%}"]
+                     for c in ways_costs for w in args.dram_ways])
     checks = {f"{r['kind']} {r['trace']} {r['share']:.1%}": {
         "points_over_dram_lru": 100 * (r["dram"] - r["dram_lru"]), "points_over_lru": 100 * (r["dram"] - r["lru"]),
         **{f"{n}_points_over_lru": 100 * (r[n] - r["lru"]) for n in ("ideal_lfu", "hindsight", "belady")}}
         for r in rates}
     path = write_json(args.name, {"config": vars(args), "unit": "row fetches (distinct rows of a decode step)",
-                                  "results": rates, "call_cost": costs, "checks": checks})
+                                  "results": rates, "call_cost": costs, "ways_call_cost": ways_costs, "checks": checks})
     plot_dram(rates, OUT / f"{args.name}.png", args.hot_share)
     print(f"\nwrote {path} and {OUT / f'{args.name}.png'}")
     return 0
@@ -583,6 +622,11 @@ def main(argv=None) -> int:
     p.add_argument("--dram", action="store_true", help="the DRAM row cache's policies (sizes default: 1%% and 10%%)")
     p.add_argument("--hot-share", type=float, default=0.005, help="--dram: the hot-row cache in front, share of rows")
     p.add_argument("--cost-steps", type=int, default=200, help="--dram: decode steps timed for the CPU cost per call")
+    p.add_argument("--reuse", action="store_true",
+                   help="--dram: also ARC, LIRS, LHD, S3-FIFO, next-arrival prediction (idealized; a few minutes)")
+    p.add_argument("--dram-ways", nargs="*", type=int, default=[],
+                   help="--dram: also the DRAM row cache at these ways (e.g. 4 8 16 32): hit rates, and CPU per "
+                        "call at the largest size (rows of each way's caches are all touched: ~2x 264 B x rows x size)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

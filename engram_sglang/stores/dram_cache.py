@@ -12,13 +12,15 @@ TinyLFU-style admission, as the hot-row cache does (row_directory.py): a count-m
 counts the calls that read each row, a missed row takes the way of its set's weakest row
 (fewest calls, then least recently used) only when read in as many calls or more, so a
 one-off read (most 4-grams) never evicts a row read twice (a hot 2-gram). On real decode
-traces (bench/cache.py --dram) it beats LRU by 4.8-6.9 points at 1% of the rows; behind a
-hot-row cache, which takes the frequent rows first, by 0.2-1.4 only: what is left there to
-gain is timing (Belady's), not frequency (docs/measurements.md section 6). All index work is
-numpy over a call's sorted unique ids (a decode step's few thousand): no per-row Python. The
-disk store's native step (stores/disk_step.py) runs the same policy, ported to C++ in
-kernels/io/engram_dram_policy.h, on this cache's own arrays and scalars (`_state`), so both
-see one cache and give the same hits on the same calls (tests/test_disk_step.py).
+traces (bench/cache.py --dram) it beats LRU by 5.0-7.0 points at 1% of the rows; behind a
+hot-row cache, which takes the frequent rows first, by 0.4-1.4 only: what is left there to
+gain is timing (Belady's), not frequency, and no published policy that reads timing online
+(ARC, LIRS, LHD, S3-FIFO, a predicted next arrival) gets it either (docs/measurements.md
+section 6). All index work is numpy over a call's sorted unique ids (a decode step's few
+thousand): no per-row Python. The disk store's native step (stores/disk_step.py) runs the
+same policy, ported to C++ in kernels/io/engram_dram_policy.h, on this cache's own arrays
+and scalars (`_state`), so both see one cache and give the same hits on the same calls
+(tests/test_disk_step.py).
 
 Also the landing place of read-ahead (`DiskStore.read_ahead`): rows read before the step
 that needs them, so a prefill chunk's reads overlap the previous chunk's compute.
@@ -48,9 +50,10 @@ SAMPLE_FACTOR = 10  # the sketch halves once per this many x slots rows looked u
 ADMISSIONS = ("frequency", "lru")
 # Rows per set. 16 over 8: +0.4 to +0.6 points of hits at 10% of the rows (code, prose, raw and
 # behind a hot-row cache; code's raw trace then equal to fully associative LRU, 8 ways 0.4
-# below), +0.0 to +0.3 at 1%; CPU of a 6k-id call: native step +2-8% with every row a hit (the
-# tags' second cache line is prefetched with the first), +5-10% with admissions, numpy +16-22%
-# (docs/measurements.md section 6). 32 ways: +0.1 to +0.2 more, numpy's CPU twice 8 ways'.
+# below), +0.0 to +0.3 at 1%: ~1% fewer disk reads at 10%. CPU of a 6k-id call: native step
+# +3-8% with every row a hit (the tags' second cache line is prefetched with the first), +8-14%
+# admitting from a cold cache, numpy +18-28% (bench/cache.py --dram --dram-ways; docs/
+# measurements.md section 6). 32 ways: +0.1 to +0.3 more, numpy's CPU 1.7x 8 ways'.
 DEFAULT_WAYS = 16
 # Host bytes per slot besides its row: tag (int64), last use (int64), count (uint8) and its
 # share of the count-min sketch (frequency admission).
