@@ -145,3 +145,128 @@ def test_a_forked_child_reads_rows(case):
     """)
     proc = run_python(code)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# A fresh interpreter with a file of distinct rows, io_uring as the engine (the cases below are
+# about io_uring; where the kernel refuses it they print "skip").
+URING_PRELUDE = """
+    import errno, os, resource, sys, tempfile
+    import numpy as np
+    from engram_sglang.stores import rowio
+    from engram_sglang.tablefile import DATA_OFFSET
+    from engram_sglang.rowformat import ROW_BYTES
+
+    if rowio.read_engine("auto") != "io_uring":
+        print("skip: io_uring is unavailable here")
+        sys.exit(0)
+    ROWS = 40_000
+    path = os.path.join(tempfile.mkdtemp(), "t.rows")
+    data = (np.arange(ROWS * ROW_BYTES, dtype=np.uint64) % 253).astype(np.uint8).reshape(ROWS, ROW_BYTES)
+    with open(path, "wb") as f:
+        f.write(bytes(DATA_OFFSET))
+        f.write(data.tobytes())
+    rows = np.arange(0, ROWS, 40, dtype=np.int64)  # 1000 reads, never merged
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+    def read(depth):
+        out = np.zeros((rows.shape[0], ROW_BYTES), np.uint8)
+        got = rowio.aio_read_rows(fd, DATA_OFFSET, rows, out, depth)
+        assert got == (0, -1) and np.array_equal(out, data[rows]), (depth, got)
+
+    def rings():
+        links = []
+        for x in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{x}"))
+            except FileNotFoundError:  # listdir's own descriptor, closed by now
+                pass
+        return links.count("anon_inode:[io_uring]")
+"""
+
+
+def run_uring_case(body: str, timeout: int = 60, prefix: list[str] | None = None) -> str:
+    code = textwrap.dedent(URING_PRELUDE) + textwrap.dedent(body) + "\nprint('ok')\n"
+    if prefix is None:
+        proc = run_python(code, timeout=timeout)
+    else:
+        full = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env=full, cwd="/")
+    assert proc.returncode == 0 and ("ok" in proc.stdout or "skip" in proc.stdout), proc.stdout + proc.stderr
+    if "skip" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    return proc.stdout
+
+
+def test_reads_the_kernel_did_not_take_go_with_the_next_enter():
+    """io_uring_enter may take fewer reads than it was given (the kernel out of request memory
+    mid-batch). They stay in the SQ: they were counted in flight and waited for, but never
+    submitted again, so the call waited forever (holding the store's DRAM lock). The test hook
+    asks the kernel for one fewer, once and then on every enter; the time limit is the hang."""
+    run_uring_case("""
+        for short in (1, 3, 10_000):
+            for depth in (2, 16, 256):
+                rowio.short_enters(short)
+                read(depth)
+        rowio.short_enters(0)
+        read(256)
+    """)
+
+
+def test_a_ring_that_cannot_be_set_up_now_is_tried_again():
+    """Out of descriptors (EMFILE) or memory is for now: that call reads by native AIO and the
+    next one by io_uring (any setup failure kept the thread on native AIO for good)."""
+    out = run_uring_case("""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.dup(0)
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # the ring's descriptor: EMFILE
+        read(32)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        print("rings after EMFILE", rings())
+        assert rings() == 0
+        read(32)
+        print("rings after", rings())
+        assert rings() == 1
+    """)
+    assert "rings after 1" in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not all(os.path.exists(p) for p in ("/usr/bin/setpriv", "/usr/bin/prlimit")),
+                    reason="needs root to drop CAP_IPC_LOCK (setpriv) under an 8 MiB RLIMIT_MEMLOCK (prlimit)")
+def test_registered_buffers_under_a_memory_lock_limit():
+    """A user without CAP_IPC_LOCK may lock 8 MiB (a common default), less than 256 slots of
+    64 KiB: the slots that fit are registered, the rest read by plain READ, and the store's
+    stats say so (registration failed silently, all or nothing, before)."""
+    out = run_uring_case("""
+        read(256)
+        slots, fixed, err = rowio.uring_buffers()
+        label = rowio.io_engine_label()
+        print(slots, fixed, err, label)
+        assert slots == 256 and 0 < fixed < 256 and err == errno.ENOMEM, (slots, fixed, err)
+        assert label == f"io_uring (registered buffers: {fixed} of 256, RLIMIT_MEMLOCK)"
+        read(256)  # the same ring, fixed and plain slots together
+    """, prefix=["/usr/bin/prlimit", f"--memlock={8 << 20}", "/usr/bin/setpriv", "--bounding-set=-ipc_lock"])
+    assert "registered buffers" in out
+
+
+def test_an_o_direct_store_names_its_read_engine(tmp_path):
+    import torch
+    from conftest import random_table_dir, small_config
+    from engram_sglang.stores import open_store, rowio
+
+    cfg = small_config(400)
+    root, _ = random_table_dir(tmp_path, cfg)
+    layer = cfg.layer_ids[0]
+    for direct in (True, False):
+        stores = open_store(root, "disk", cfg=cfg, direct=direct, threads=4)
+        try:
+            stores[layer].gather(torch.arange(50))
+            s = stores[layer].stats()
+            if direct:
+                assert s["io_engine"] == rowio.io_engine_label() and s["io_engine"].startswith(rowio.read_engine())
+            else:
+                assert "io_engine" not in s
+        finally:
+            for store in stores.values():
+                store.close()

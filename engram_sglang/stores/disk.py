@@ -101,6 +101,8 @@ class DiskStore(TableStore):
         s.update(reads=len(self._read_latencies), read_ms_p50=1e3 * float(np.percentile(lat, 50)),
                  read_ms_p99=1e3 * float(np.percentile(lat, 99)), direct=self.direct, threads=self.threads,
                  file_rows_read=self._file_rows, read_ahead_rows=self._ahead_rows)
+        if self.direct:  # e.g. "io_uring (registered buffers: 128 of 256, RLIMIT_MEMLOCK)"
+            s["io_engine"] = rowio.io_engine_label() if self._aio else "pread"
         if self.dram is not None:
             s.update(self.dram.stats())
         return s

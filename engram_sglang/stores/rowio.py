@@ -4,6 +4,7 @@ first use from an installed wheel: engram_sglang/nativelibs.py)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 from typing import Optional
 
@@ -142,6 +143,32 @@ def read_engine(want: Optional[str] = None) -> str:
 def last_reads_in_flight() -> int:
     """The most reads the calling thread's last aio_read_rows had in flight (a test hook)."""
     return int(library().engram_rowio_last_peak())
+
+
+def short_enters(n: int) -> None:
+    """The next n io_uring submissions of more than one read ask the kernel for one fewer, as a
+    kernel that takes part of a batch does (a test hook)."""
+    library().engram_rowio_test_short_enters(ctypes.c_int(n))
+
+
+def uring_buffers() -> tuple[int, int, int]:
+    """The last io_uring ring set up in this process: (buffer slots, registered slots, errno that
+    kept the rest unregistered or 0); (0, 0, 0) before any."""
+    out = (ctypes.c_int64 * 3)()
+    library().engram_rowio_uring_buffers(ctypes.byref(out))
+    return int(out[0]), int(out[1]), int(out[2])
+
+
+def io_engine_label() -> str:
+    """This process's O_DIRECT read engine for the stats, e.g. "io_uring", "aio", or
+    "io_uring (registered buffers: 128 of 256, RLIMIT_MEMLOCK)": slots a memory-lock limit
+    kept unregistered are read by plain READ (pages pinned on every read)."""
+    engine = read_engine()
+    slots, fixed, err = uring_buffers()
+    if engine != "io_uring" or slots == 0 or fixed == slots:
+        return engine
+    why = "RLIMIT_MEMLOCK" if err == errno.ENOMEM else (errno.errorcode.get(err, str(err)) if err else "")
+    return f"io_uring (registered buffers: {fixed} of {slots}{', ' + why if why else ''})"
 
 
 def step_decode(want: Optional[str] = None) -> str:

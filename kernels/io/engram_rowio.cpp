@@ -496,6 +496,10 @@ class AioReads : public ExtentReads {
     std::vector<io_event> events_;
 };
 
+// The ring of this process's last io_uring call (any thread): its slots, how many are
+// registered, and the errno that kept the rest out (engram_rowio_uring_buffers; the stats show it).
+std::atomic<int> g_ring_slots{0}, g_fixed_slots{0}, g_register_error{0};
+
 // The same reads by io_uring (engram_uring.h): submission and reaping in one io_uring_enter,
 // registered buffers. The engine is chosen per process (engram_rowio_engine, default:
 // io_uring where the kernel allows it, else native AIO).
@@ -506,6 +510,9 @@ class UringReads : public ExtentReads {
         ring_ = &ring;
         depth = std::max(1, std::min(depth, kMaxDepth));
         if (!ring.ready(depth, kMaxExtent)) return -2;
+        g_fixed_slots.store(ring.fixed_slots(), std::memory_order_relaxed);
+        g_ring_slots.store(ring.depth, std::memory_order_relaxed);
+        g_register_error.store(ring.register_error(), std::memory_order_relaxed);
         reset(fd, data_offset, rows, out, where, depth);
         return 0;
     }
@@ -514,7 +521,7 @@ class UringReads : public ExtentReads {
     bool pump(bool wait, Done&& done) {
         queue();
         const int want = wait && in_flight_ > 0 ? wake_after(in_flight_, depth_, next_ < extents_.size()) : 0;
-        const int err = ring_->enter(static_cast<unsigned>(want));
+        const int err = ring_->enter(static_cast<unsigned>(want), static_cast<unsigned>(in_flight_));
         if (err != 0) {
             fail_submit(err);
             return false;
@@ -530,9 +537,10 @@ class UringReads : public ExtentReads {
     void queue() {
         while (error == 0 && next_ < extents_.size() && !free_slots_.empty()) {
             const int slot = free_slots_.back();
+            if (!ring_->queue(fd_, extents_[next_].start, slot, static_cast<uint32_t>(extents_[next_].length),
+                              tag(next_, slot)))
+                break;  // the SQ is full: this pump's enter submits, the next queues the rest
             free_slots_.pop_back();
-            ring_->queue(fd_, extents_[next_].start, ring_->buffers + static_cast<int64_t>(slot) * kMaxExtent,
-                         static_cast<uint32_t>(extents_[next_].length), tag(next_, slot));
             ++next_;
             peak_ = std::max(peak_, ++in_flight_);
         }
@@ -687,6 +695,19 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
 
 // The most reads the calling thread's last engram_rowio_aio call had in flight (a test hook).
 int engram_rowio_last_peak(void) { return t_last_peak; }
+
+// The next `n` io_uring_enter calls with more than one read to submit ask the kernel for one
+// fewer (a test hook: a kernel that takes part of a batch).
+void engram_rowio_test_short_enters(int n) { engram_io::g_short_enters.store(n); }
+
+// The ring of this process's last io_uring call: out[0] its buffer slots (0: none yet),
+// out[1] how many are registered (read by READ_FIXED), out[2] the errno that kept the rest
+// unregistered (ENOMEM: RLIMIT_MEMLOCK), 0 when none did.
+void engram_rowio_uring_buffers(int64_t* out) {
+    out[0] = g_ring_slots.load(std::memory_order_relaxed);
+    out[1] = g_fixed_slots.load(std::memory_order_relaxed);
+    out[2] = g_register_error.load(std::memory_order_relaxed);
+}
 
 // The engine of O_DIRECT reads for this process: want 0 io_uring where available (the
 // default; ENGRAM_IO_ENGINE=aio makes it 1), 1 native AIO, -1 leaves it. Returns the setting,
