@@ -375,3 +375,72 @@ def test_a_library_built_for_another_policy_format_refuses_to_load(monkeypatch, 
         monkeypatch.undo()
         rowio.library.cache_clear()
     rowio.library()
+
+
+def distinct_rows_file(tmp_path, rows: int) -> tuple[Path, np.ndarray]:
+    path = tmp_path / "t.rows"
+    data = (np.arange(rows * ROW_BYTES, dtype=np.uint64) % 253).astype(np.uint8).reshape(rows, ROW_BYTES)
+    with open(path, "wb") as f:
+        f.write(bytes(DATA_OFFSET))
+        f.write(data.tobytes())
+    return path, data
+
+
+@pytest.mark.parametrize("engine", ["auto", "aio"])
+@pytest.mark.parametrize("depth", [4, 256])
+def test_failed_reads_then_good_ones(tmp_path, engine, depth):
+    """Every read failing (a descriptor opened write-only: EBADF, reported in the completions
+    by io_uring, at submission by native AIO), then good reads on the same thread's ring or
+    context, three times over: each failed call names the error, each good one reads right."""
+    path, data = distinct_rows_file(tmp_path, 40_000)
+    rows = np.arange(0, 40_000, 40, dtype=np.int64)  # 1000 separate reads
+    out = np.zeros((rows.shape[0], ROW_BYTES), np.uint8)
+    bad = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    good = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        rowio.read_engine(engine)
+        for _ in range(3):
+            err, failed = rowio.aio_read_rows(bad, DATA_OFFSET, rows, out, depth)
+            assert err == errno.EBADF and 0 <= failed < rows.shape[0], (err, failed)
+            assert rowio.aio_read_rows(good, DATA_OFFSET, rows, out, depth) == (0, -1)
+            assert np.array_equal(out, data[rows])
+            out[:] = 0
+    finally:
+        os.close(bad)
+        os.close(good)
+        rowio.read_engine("auto")
+
+
+@pytest.mark.parametrize("engine", ["auto", "aio"])
+def test_a_failed_step_admits_nothing_and_looks_up_as_python(tmp_path, engine):
+    """A step whose reads all fail comes back unread with the errno; the DRAM cache holds what
+    the numpy path's lookup alone leaves (nothing admitted), and the hits are in place."""
+    rows_n = 8000
+    path, data = distinct_rows_file(tmp_path, rows_n)
+    a, b = DramRowCache(1 << 20, huge_pages=False), DramRowCache(1 << 20, huge_pages=False)
+    hot = np.arange(100, 140, dtype=np.int64)
+    for c in (a, b):
+        c.lookup(hot)
+        c.admit(hot, data[hot])
+    bad = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        rowio.read_engine(engine)
+        f = rowio.DiskFile(bad, rowio.READ_AIO, 256, 1, DATA_OFFSET, 0, 0, rows_n)
+        request = np.concatenate([np.arange(0, rows_n, 13), hot, hot[:5]]).astype(np.int64)
+        n = request.shape[0]
+        wanted, local, missed = (np.empty(n, np.int64) for _ in range(3))
+        packed = np.zeros((n, ROW_BYTES), np.uint8)
+        rows_out = np.zeros((n, ROW_VALUES), np.uint16)
+        status, res = rowio.disk_step(f, rowio.cache_view(a), request, wanted, local, packed, missed, rows_out)
+        assert status == rowio.STEP_UNREAD and res.error == errno.EBADF
+        b.lookup(np.unique(request))
+        for x, y in ((a.tags, b.tags), (a.last, b.last), (a.count, b.count), (a.sketch, b.sketch),
+                     (a._state, b._state), (a.rows, b.rows)):
+            assert np.array_equal(x, y)
+        at = np.searchsorted(wanted[: res.unique], hot)
+        assert np.array_equal(packed[at], data[hot])
+    finally:
+        os.close(bad)
+        a.close()
+        b.close()
+        rowio.read_engine("auto")
