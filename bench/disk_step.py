@@ -24,9 +24,12 @@ once): `native@64`, the same steps, so the depth's effect is a same-run ratio.
 
 Then the read engines alone, same run: the same kind of random rows (a batch-256 step's misses,
 distinct, ascending) read by native AIO and by io_uring (kernels/io/engram_uring.h) at both
-depths, calls alternating: CPU per read (process time) and reads/s. That CPU per read is the
-kernel's floor, common to every path: each path's CPU *above* it (CPU - misses x the floor of
-its engine and depth) is the host work a path adds, and the ratio of those is reported too.
+depths, calls alternating: CPU per read and reads/s. That CPU per read is the whole process's
+CPU time (process_time: every thread, user and system) over calls of ~3000 rows, divided by the
+rows: the kernel's work for each read plus the reader's own (queueing, reaping, and the copy of
+each row out of its bounce buffer), not the kernel's alone. It is the floor common to every
+path: each path's CPU *above* it (CPU - misses x the floor of its engine and depth) is the host
+work a path adds, and the ratio of those is reported too.
 
 The floor of a step is its misses at the reads/s of its engine at its depth alone (the
 engines are timed before and after the steps, the mean of the two): the IOPS at the depth
@@ -113,8 +116,9 @@ def run_steps(stores: dict, streams, batch: int, start: int, steps: int, shape: 
 
 def engine_reads(path: Path, depths: list[int], rows_per_call: int = 3000, calls: int = 8) -> list[dict]:
     """Random distinct rows of the file, ascending, read by each engine at each depth in turn
-    (fresh rows each call, order alternating): CPU us and wall per row read. Without io_uring
-    here only native AIO is measured."""
+    (fresh rows each call, order alternating): the process's CPU us (every thread, user and
+    system, the reader's copy out of the bounce buffers included) and wall per row read.
+    Without io_uring here only native AIO is measured."""
     table_rows = (path.stat().st_size - DATA_OFFSET) // ROW_BYTES
     rng = np.random.default_rng(13)
     buf = np.empty((rows_per_call, ROW_BYTES), np.uint8)
@@ -257,7 +261,8 @@ def main() -> int:
     iops = float(np.mean(before + after))
     spread = (max(before + after) - min(before + after)) / iops
     # The engines alone before and after the steps, together: reads/s (the mean of the two) and
-    # the kernel's CPU per O_DIRECT read, by engine and depth.
+    # the process's CPU per O_DIRECT row read (the kernel's and the reader's, its copy included),
+    # by engine and depth.
     engines = [{**a, "rows": a["rows"] + b["rows"], "reads_per_s": (a["reads_per_s"] + b["reads_per_s"]) / 2,
                 "reads_per_s_before": a["reads_per_s"], "reads_per_s_after": b["reads_per_s"],
                 "cpu_us_per_read": (a["cpu_us_per_read"] * a["rows"] + b["cpu_us_per_read"] * b["rows"]) /
@@ -306,7 +311,7 @@ def main() -> int:
     if engines:
         print_table(f"O_DIRECT reads alone, before and after the steps (fio's own CPU: "
                     f"{limits['fio_cpu_us_per_io'] or 0:.2f} us an IO)",
-                    ["engine", "depth", "rows", "CPU us/read", "reads/s", "before", "after"],
+                    ["engine", "depth", "rows", "process CPU us/read", "reads/s", "before", "after"],
                     [[r["engine"], r["depth"], r["rows"], r["cpu_us_per_read"], r["reads_per_s"], r["reads_per_s_before"],
                       r["reads_per_s_after"]] for r in engines])
     write_json("disk_step", {"args": vars(args), "limits": limits, "results": results, "engines": engines})
