@@ -11,9 +11,9 @@ import torch
 from engram_sglang.config import EngramConfig
 from engram_sglang.planner import plan
 from engram_sglang.planning.data import load_gpus
-from engram_sglang.planning.whole_rows import choose, sku_for_device
+from engram_sglang.planning.whole_rows import sku_for_device
 from engram_sglang.serving.settings import ServeSettings
-from engram_sglang.serving.whole_rows_auto import resolve
+from engram_sglang.serving.whole_rows_auto import choose, resolve
 
 CFG = EngramConfig.from_preset("deepseek-v4.1-flash")
 GPUS = load_gpus()

@@ -105,34 +105,6 @@ def sku_for_device(device_name: str, gpus: dict) -> Optional[Any]:
     return None
 
 
-def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0,
-           gpus: Optional[dict] = None) -> tuple[bool, str]:
-    """`--engram-host-whole-rows auto`: whole rows (True) or a shard and an all-reduce (False)
-    for TP `tp` on the GPU named `device_name` (None: no GPU), and why in one line: the
-    planner's pick (`compare`, decode and prefill as `engram-sglang plan` weighs them), with
-    a hot-row cache of `cache_share` of each layer's rows per GPU at each layout's hit rate.
-    Whole rows wherever there is nothing to weigh (TP 1, no GPU, a GPU the file lacks): the
-    behaviour before `auto`, and the one layout attention data parallelism can serve."""
-    from .data import load_gpus
-    from .model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
-
-    if tp <= 1:
-        return True, "TP 1: one rank holds every row"
-    if device_name is None:
-        return True, "no GPU: nothing to weigh an all-reduce against"
-    sku = sku_for_device(device_name, load_gpus() if gpus is None else gpus)
-    if sku is None:
-        return True, f"GPU {device_name!r} is not a SKU of configs/gpus.json: no link figures to weigh"
-    rates = layout_hit_rates(cache_share, tp)
-    r = compare(tokens_by_phase={"decode": DECODE_BATCH, "prefill": PREFILL_CHUNK}, layers=cfg.n_layers,
-                columns=cfg.hash_columns, head_dim=cfg.head_dim, lines_per_row=lines_per_row(row_bytes(cfg)), tp=tp,
-                host_gbps=sku.host_link_gbps, gpu_gbps=sku.gpu_link_gbps, hit_rate=rates["whole"],
-                shard_hit_rate=rates["sharded"])
-    if r["recommend"] is None:
-        return True, f"{sku.key}: {r['reason']}"
-    return r["recommend"] == "whole", f"{sku.key} ({device_name}): {r['reason']}"
-
-
 def replay_hits(steps, directory, shard: Optional[tuple[int, int]] = None, warm_steps: int = 0,
                 maintain_every: int = 8) -> float:
     """Hit rate of a hot-row cache's RowDirectory (`directory`, cold) over one layer's ids per

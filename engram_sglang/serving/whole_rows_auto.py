@@ -1,5 +1,5 @@
 """`--engram-host-whole-rows auto` (the default): whole rows or a shard per rank, decided at
-start-up as `engram-sglang plan` would decide it (planning/whole_rows.py `choose`) for this
+start-up as `engram-sglang plan` would decide it (`choose` below, from planning/whole_rows.py `compare`) for this
 rank's TP size and GPU, with one log line saying which and why.
 
 Whole rows where nothing can be weighed (TP 1, no GPU, a GPU configs/gpus.json lacks): the
@@ -35,8 +35,6 @@ def resolve(settings: ServeSettings, cfg, tp_size: int, device: torch.device, *,
     if "whole_rows" not in spec.whole_rows_with or spec.rows_held(options) != "whole":
         # Nothing to choose: this placement (or host without a shared copy) shards anyway.
         return dataclasses.replace(settings, host_whole_rows=True)
-    from ..planning.whole_rows import choose
-
     if device_name is None and torch.device(device).type == "cuda":
         device_name = torch.cuda.get_device_name(torch.device(device))
     table_bytes = sum(EngramLayout(cfg).rows(L) for L in cfg.layer_ids) * ROW_BYTES
@@ -48,3 +46,32 @@ def resolve(settings: ServeSettings, cfg, tp_size: int, device: torch.device, *,
         logger.info("engram-sglang: --engram-host-whole-rows auto -> %s: %s",
                     "on (whole rows, no all-reduce)" if whole else "off (a row shard per rank, all-reduced)", reason)
     return dataclasses.replace(settings, host_whole_rows=whole)
+
+
+def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0,
+           gpus: Optional[dict] = None) -> tuple[bool, str]:
+    """`--engram-host-whole-rows auto`: whole rows (True) or a shard and an all-reduce (False)
+    for TP `tp` on the GPU named `device_name` (None: no GPU), and why in one line: the
+    planner's pick (`compare`, decode and prefill as `engram-sglang plan` weighs them), with
+    a hot-row cache of `cache_share` of each layer's rows per GPU at each layout's hit rate.
+    Whole rows wherever there is nothing to weigh (TP 1, no GPU, a GPU the file lacks): the
+    behaviour before `auto`, and the one layout attention data parallelism can serve."""
+    from ..planning.data import load_gpus
+    from ..planning.model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
+    from ..planning.whole_rows import compare, layout_hit_rates, sku_for_device
+
+    if tp <= 1:
+        return True, "TP 1: one rank holds every row"
+    if device_name is None:
+        return True, "no GPU: nothing to weigh an all-reduce against"
+    sku = sku_for_device(device_name, load_gpus() if gpus is None else gpus)
+    if sku is None:
+        return True, f"GPU {device_name!r} is not a SKU of configs/gpus.json: no link figures to weigh"
+    rates = layout_hit_rates(cache_share, tp)
+    r = compare(tokens_by_phase={"decode": DECODE_BATCH, "prefill": PREFILL_CHUNK}, layers=cfg.n_layers,
+                columns=cfg.hash_columns, head_dim=cfg.head_dim, lines_per_row=lines_per_row(row_bytes(cfg)), tp=tp,
+                host_gbps=sku.host_link_gbps, gpu_gbps=sku.gpu_link_gbps, hit_rate=rates["whole"],
+                shard_hit_rate=rates["sharded"])
+    if r["recommend"] is None:
+        return True, f"{sku.key}: {r['reason']}"
+    return r["recommend"] == "whole", f"{sku.key} ({device_name}): {r['reason']}"
