@@ -270,3 +270,67 @@ def test_an_o_direct_store_names_its_read_engine(tmp_path):
         finally:
             for store in stores.values():
                 store.close()
+
+
+def test_a_step_after_a_failed_enter_never_reaps_the_abandoned_ring():
+    """An io_uring_enter that fails after the kernel took the reads abandons the ring (its buffers
+    are never freed: reads may still land there). The disk step went on pumping it: the next enter
+    submitted what the SQ held and reaped completions into slots of a null buffer pointer
+    (SIGSEGV, review R5 F1). Now the call comes back unread and the next one reads on a new ring."""
+    run_uring_case("""
+        # Every row of the file: a long lookup, so reads taken before the failure complete while
+        # the step still pumps (1000 scattered rows are looked up before any lands).
+        every = np.arange(ROWS, dtype=np.int64)
+
+        def step(decode):
+            f = rowio.DiskFile(fd, rowio.READ_AIO, 16, 1, DATA_OFFSET, 0, 0, ROWS)
+            n = every.shape[0]
+            wanted, local, missed = (np.empty(n, np.int64) for _ in range(3))
+            packed = np.zeros((n, ROW_BYTES), np.uint8)
+            out = np.empty((n, 256), np.uint16) if decode else None
+            status, res = rowio.disk_step(f, None, every, wanted, local, packed, missed, out, 2)
+            return status, int(res.error), np.array_equal(packed[: int(res.unique)], data[every])
+
+        for decode in (True, False):
+            for fail in (1, 2):
+                assert step(decode) == (rowio.STEP_OK, 0, True)
+                rowio.fail_enters(fail)
+                status, error, _ = step(decode)
+                assert (status, error) == (rowio.STEP_UNREAD, errno.EIO), (status, error)
+                rowio.fail_enters(0)
+                assert step(decode) == (rowio.STEP_OK, 0, True)
+                read(256)
+    """)
+
+
+def test_a_forked_child_never_closes_a_descriptor_that_reused_the_rings_number():
+    """A child that closed the inherited ring descriptor and opened a file that got its number:
+    its first read closed that file (the old ring's `close(fd_)`) and then sent its reads to the
+    new ring's own descriptor number, which never answered (review R5 F2)."""
+    run_uring_case("""
+        read(16)
+        ring = rings()
+        assert ring == 1
+        ring_fd = [int(x) for x in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{x}")
+                   and os.readlink(f"/proc/self/fd/{x}") == "anon_inode:[io_uring]"][0]
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                # The ring's number closed and reused (e.g. by a worker closing what it did not
+                # open, then opening a file): dup2 puts the table file at exactly that number.
+                opened = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                os.dup2(opened, ring_fd)
+                os.close(opened)
+                table = ring_fd
+                out = np.zeros((rows.shape[0], ROW_BYTES), np.uint8)
+                assert rowio.aio_read_rows(table, DATA_OFFSET, rows, out, 16) == (0, -1)
+                assert os.path.exists(f"/proc/self/fd/{table}"), "the child's table file was closed"
+                assert np.array_equal(out, data[rows])
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        read(16)  # the parent's ring still works
+    """, timeout=30)

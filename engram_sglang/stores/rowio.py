@@ -151,6 +151,12 @@ def short_enters(n: int) -> None:
     library().engram_rowio_test_short_enters(ctypes.c_int(n))
 
 
+def fail_enters(n: int) -> None:
+    """The next n io_uring submissions fail with EIO after the kernel took the reads (a test
+    hook: the call abandons its ring with reads in flight)."""
+    library().engram_rowio_test_fail_enters(ctypes.c_int(n))
+
+
 def uring_buffers() -> tuple[int, int, int]:
     """The last io_uring ring set up in this process: (buffer slots, registered slots, errno that
     kept the rest unregistered or 0); (0, 0, 0) before any."""

@@ -519,6 +519,9 @@ class UringReads : public ExtentReads {
 
     template <class Done>
     bool pump(bool wait, Done&& done) {
+        // After a failed enter (fail_submit) the disk step still pumps until not busy: entering
+        // the abandoned ring again would submit what its SQ held and reap into freed slots.
+        if (!ring_->live()) return busy();
         queue();
         const int want = wait && in_flight_ > 0 ? wake_after(in_flight_, depth_, next_ < extents_.size()) : 0;
         const int err = ring_->enter(static_cast<unsigned>(want), static_cast<unsigned>(in_flight_));
@@ -699,6 +702,9 @@ int engram_rowio_last_peak(void) { return t_last_peak; }
 // The next `n` io_uring_enter calls with more than one read to submit ask the kernel for one
 // fewer (a test hook: a kernel that takes part of a batch).
 void engram_rowio_test_short_enters(int n) { engram_io::g_short_enters.store(n); }
+// The next `n` io_uring_enter calls that submit reads fail with EIO after the kernel took them
+// (a test hook: the ring is abandoned with reads in flight).
+void engram_rowio_test_fail_enters(int n) { engram_io::g_fail_enters.store(n); }
 
 // The ring of this process's last io_uring call: out[0] its buffer slots (0: none yet),
 // out[1] how many are registered (read by READ_FIXED), out[2] the errno that kept the rest
@@ -715,9 +721,13 @@ void engram_rowio_uring_buffers(int64_t* out) {
 int engram_rowio_engine(int want) {
     if (want == 0 || want == 1) g_engine.store(want);
     const int e = engine();
-    if (e == 0) {
+    // Once a ring was set up in this process, io_uring is taken as available: the store's stats
+    // ask on every call, and a probe ring each time (or a transient EMFILE then) is not the answer.
+    static std::atomic<pid_t> uring_ok{0};
+    if (e == 0 && uring_ok.load(std::memory_order_relaxed) != getpid()) {
         engram_io::Uring probe;
         if (!probe.ready(1, 4096)) return 2;
+        uring_ok.store(getpid(), std::memory_order_relaxed);
     }
     return e;
 }

@@ -45,6 +45,9 @@ namespace engram_io {
 // have more than one read to submit ask the kernel for one fewer, as when a kernel takes only
 // part of a batch (out of request memory mid-batch). Never set outside tests.
 inline std::atomic<int> g_short_enters{0};
+// The next n io_uring_enter calls that submit reads report EIO after the kernel took them, as a
+// failure past submission would (a test hook: the call abandons the ring). Never set outside tests.
+inline std::atomic<int> g_fail_enters{0};
 
 class Uring {
   public:
@@ -60,6 +63,10 @@ class Uring {
         const pid_t pid = getpid();  // a forked child cannot use its parent's ring (single issuer)
         if (depth >= want && owner_ == pid) return true;
         if (failed_) return false;
+        // In a forked child the parent's ring descriptor number may have been closed and reused
+        // for another file since the fork: it is left open, never closed here (closing it would
+        // close that file). The mappings and buffers are the child's own copies to release.
+        if (owner_ != 0 && owner_ != pid) fd_ = -1;
         close_ring();
         owner_ = pid;
         io_uring_params p;
@@ -157,7 +164,11 @@ class Uring {
             const unsigned held = in_flight - pending + ask;
             const long r = syscall(__NR_io_uring_enter, fd_, ask, std::min(wait, held), IORING_ENTER_GETEVENTS,
                                    nullptr, 0);
-            if (r >= 0) return 0;
+            if (r >= 0) {
+                if (ask > 0 && g_fail_enters.load(std::memory_order_relaxed) > 0 && g_fail_enters.fetch_sub(1) > 0)
+                    return EIO;
+                return 0;
+            }
             if (errno == EINTR) continue;
             // Out of request memory (EAGAIN) or completions not yet reaped (EBUSY) while reads are
             // in flight: those end. Wait for one (the caller reaps it) and submit the rest later;
@@ -178,6 +189,9 @@ class Uring {
         buffers = nullptr;
         depth = 0;
     }
+    // False once abandoned: the ring must not be entered or reaped again (a completion reaped
+    // now would be copied out of buffers no longer known), only replaced by the next ready().
+    bool live() const { return buffers != nullptr; }
 
     // Hands each posted completion (user_data, res) to fn; returns how many.
     template <class Fn>
