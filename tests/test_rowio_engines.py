@@ -18,19 +18,26 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runs in a fresh interpreter: the parent reads with the library (its pool grows, its ring or
 # AIO context is made), then forks; the child's reads must complete with the right rows. A
 # child that hangs is killed after CHILD_TIMEOUT and reported, so the suite never hangs.
-FORK_PRELUDE = """
-    import os, signal, sys, tempfile, time
+# Both preludes below start with it: a table file of `rows` distinct rows (a byte pattern).
+TABLE_PRELUDE = """
+    import errno, os, resource, signal, sys, tempfile, time
     import numpy as np
     from engram_sglang.stores import rowio
     from engram_sglang.tablefile import DATA_OFFSET
     from engram_sglang.rowformat import ROW_BYTES
 
+    def write_table(rows, modulus):
+        path = os.path.join(tempfile.mkdtemp(), "t.rows")
+        data = (np.arange(rows * ROW_BYTES, dtype=np.uint64) % modulus).astype(np.uint8).reshape(rows, ROW_BYTES)
+        with open(path, "wb") as f:
+            f.write(bytes(DATA_OFFSET))
+            f.write(data.tobytes())
+        return path, data
+"""
+
+FORK_PRELUDE = TABLE_PRELUDE + """
     ROWS = 20_000
-    path = os.path.join(tempfile.mkdtemp(), "t.rows")
-    data = (np.arange(ROWS * ROW_BYTES, dtype=np.uint64) % 251).astype(np.uint8).reshape(ROWS, ROW_BYTES)
-    with open(path, "wb") as f:
-        f.write(bytes(DATA_OFFSET))
-        f.write(data.tobytes())
+    path, data = write_table(ROWS, 251)
 
     def in_child(fn, timeout=20.0):
         pid = os.fork()
@@ -149,22 +156,12 @@ def test_a_forked_child_reads_rows(case):
 
 # A fresh interpreter with a file of distinct rows, io_uring as the engine (the cases below are
 # about io_uring; where the kernel refuses it they print "skip").
-URING_PRELUDE = """
-    import errno, os, resource, sys, tempfile
-    import numpy as np
-    from engram_sglang.stores import rowio
-    from engram_sglang.tablefile import DATA_OFFSET
-    from engram_sglang.rowformat import ROW_BYTES
-
+URING_PRELUDE = TABLE_PRELUDE + """
     if rowio.read_engine("auto") != "io_uring":
         print("skip: io_uring is unavailable here")
         sys.exit(0)
     ROWS = 40_000
-    path = os.path.join(tempfile.mkdtemp(), "t.rows")
-    data = (np.arange(ROWS * ROW_BYTES, dtype=np.uint64) % 253).astype(np.uint8).reshape(ROWS, ROW_BYTES)
-    with open(path, "wb") as f:
-        f.write(bytes(DATA_OFFSET))
-        f.write(data.tobytes())
+    path, data = write_table(ROWS, 253)
     rows = np.arange(0, ROWS, 40, dtype=np.int64)  # 1000 reads, never merged
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
 
