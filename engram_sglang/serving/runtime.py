@@ -442,7 +442,7 @@ class EngramRuntime:
         with self._lock:
             steps = max(self._steps, 1)
             out = {
-                **self.rank_labels,  # tp_rank, tp_size, dp_rank, dp_size, attn_dp_rank, attn_cp_rank
+                **self.rank_labels,  # tp/dp/pp rank and size, attn_dp_rank, attn_cp_rank (serving/ranks.py)
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
                 "prefetch": self.settings.prefetch,
