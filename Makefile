@@ -20,7 +20,7 @@ include $(wildcard mk/*.mk)
 # The demo serves on the CPU: the host gather library and the disk tier's row reads.
 demo: setup rowio
 	@$(MAKE) --no-print-directory kernels VENDOR=cpu
-	$(PY) -m engram_sglang.cli demo
+	$(PY) -m engram_sglang.tools.cli demo
 
 test: setup $(TEST_PREREQS)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """The wheel carries the host libraries' sources, not the libraries.
 
-build_py copies what engram_sglang/nativelibs.py needs to build libengram_cpu.so (host gather)
+build_py copies what engram_sglang/core/nativelibs.py needs to build libengram_cpu.so (host gather)
 and libengram_io.so (disk row reads) on first use into engram_sglang/_kernels: the sources,
 the shared decode header and kernels/host-flags.mk (the flags `make kernels` uses too). So the
 wheel stays pure Python (one wheel for every platform, no manylinux tagging), and the libraries

@@ -21,8 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT  # noqa: E402
+from bench.common import OUT  # noqa: E402
 
 STDLIB = Path(os.__file__).parent
 OWN = [STDLIB / "_pyio.py"]
@@ -35,7 +34,7 @@ PROMPT_TOKENS = 48
 
 def held_out_check() -> None:
     """The held-out files really are outside the demo corpus (and the own-corpus file inside)."""
-    from engram_sglang.demo_corpus import demo_corpus
+    from engram_sglang.tools.demo.corpus import demo_corpus
 
     corpus = set(demo_corpus())
     assert all(p.read_text(errors="replace") not in corpus for p in CODE + LICENCES), "a held-out file is in the corpus"
@@ -56,9 +55,9 @@ def make_pairs(tokenizer, path: Path) -> Path:
 
 
 def main() -> int:
-    from engram_sglang.cli import main as cli
-    from engram_sglang.demo import demo_model
-    from engram_sglang.profiling import load_tokenizer
+    from engram_sglang.tools.cli import main as cli
+    from engram_sglang.tools.demo.run import demo_model
+    from engram_sglang.tools.profiling import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="build/demo", type=Path)

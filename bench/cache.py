@@ -7,7 +7,7 @@ row of one step (the batch's repeats of a row are one fetch: a deduping tier rea
 once, and a cache decides per step). Hit rate = fetches whose row is in the cache when
 the step starts.
 
-* ours: `engram_sglang.stores.cache.RowDirectory`, the code the store runs (16-way sets,
+* ours: `engram_sglang.core.stores.cache.RowDirectory`, the code the store runs (16-way sets,
   sketch counts, maintenance every --maintain-every steps as the store does), cold.
 * ours, pre-warmed: the same, first filled from the counts of other text of the same kind
   (what `engram-sglang profile` writes).
@@ -34,10 +34,10 @@ caches 1/16 of the size): every policy, Belady included, is exact on that sample
 and hit rates of a row sample track the whole trace's (SHARDS, Waldspurger et al. FAST'15;
 --shard 1 replays everything).
 
-    python bench/cache.py [--kinds code prose] [--layers 0 1] [--shard 16] [--reads-per-row 0.5]
-    python bench/cache.py --dram [--sizes 0.01 0.1] [--hot-share 0.005] [--reuse] [--dram-ways 4 8 16 32]
+    python -m bench.cache [--kinds code prose] [--layers 0 1] [--shard 16] [--reads-per-row 0.5]
+    python -m bench.cache --dram [--sizes 0.01 0.1] [--hot-share 0.005] [--reuse] [--dram-ways 4 8 16 32]
 
---dram: the disk tier's DRAM row cache (`engram_sglang.stores.dram_cache.DramRowCache`, the
+--dram: the disk tier's DRAM row cache (`engram_sglang.core.stores.dram_cache.DramRowCache`, the
 code the store runs, 16 ways): its frequency admission against its LRU policy of before (same
 geometry) and exact fully associative LRU, on the raw trace and on the trace a hot-row cache
 (RowDirectory) of --hot-share of the rows in front leaves over (its misses, per step), beside
@@ -83,15 +83,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, print_table, write_json  # noqa: E402
-from dram_ways_cost import call_costs  # noqa: E402
-from reuse_policies import POLICIES as REUSE_POLICIES  # noqa: E402
-from workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
+from bench.common import OUT, print_table, write_json  # noqa: E402
+from bench.dram_ways_cost import call_costs  # noqa: E402
+from bench.reuse_policies import POLICIES as REUSE_POLICIES  # noqa: E402
+from bench.workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
 
-from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.stores.cache import RowDirectory  # noqa: E402
-from engram_sglang.stores.dram_cache import DEFAULT_WAYS, DramRowCache  # noqa: E402
+from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
+from engram_sglang.core.stores.cache import RowDirectory  # noqa: E402
+from engram_sglang.core.stores.dram_cache import DEFAULT_WAYS, DramRowCache  # noqa: E402
 
 SIZES = (0.001, 0.005, 0.01, 0.02, 0.05, 0.10)  # shares of the table's rows
 INF = np.iinfo(np.int32).max
@@ -383,7 +382,7 @@ LABELS = {"ours": "ours (cold)", "ours_prewarmed": "ours, pre-warmed", "lru": "L
 
 
 def run_kind(kind: str, args) -> list[dict]:
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.hashing import EngramLayout
 
     t0 = time.perf_counter()
     tokenizer, tokens = tokenized(kind, args.vocab)
@@ -438,7 +437,7 @@ DRAM_LABELS = {"dram": "DRAM, frequency (new)", "dram_lru": "DRAM, LRU (before)"
 
 def run_dram(kind: str, args) -> list[dict]:
     """The DRAM row cache's policies on the raw trace and behind a hot-row cache."""
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.hashing import EngramLayout
 
     tokenizer, tokens = tokenized(kind, args.vocab)
     cfg, hasher = hasher_for(tokenizer, int(len(tokens) * 24 / args.reads_per_row), (1, 14))

@@ -2,8 +2,8 @@
 
 A standalone stand-in for serving (no SGLang needed, so it runs on a lent GPU machine):
 N decoder layers of plain torch (RMSNorm, QKV/O projections, GQA attention over a static
-KV cache, SiLU MLP, all bf16) with `engram_sglang.layer.EngramLayer` at the config's Engram
-layer ids, rows served by `engram_sglang.stores` from a packed table directory of several
+KV cache, SiLU MLP, all bf16) with `engram_sglang.models.layer.EngramLayer` at the config's Engram
+layer ids, rows served by `engram_sglang.core.stores` from a packed table directory of several
 GiB. Per step: the batch's next tokens are hashed on the device with the real
 `NgramHasher` (a synthetic Zipf token stream, per-request n-gram history kept in a static
 buffer), every Engram layer's prefetch is issued at step start and each Engram layer waits
@@ -32,9 +32,9 @@ the host's copy bandwidth (CPU). Checks that every placement's Engram outputs of
 step are bit-identical to the device placement's (bf16 bit patterns). Writes
 OUT/decode_step.json and .png.
 
-    python bench/decode_step.py --small                  # CPU (the default there): tiny sizes, < 1 min
-    python bench/decode_step.py --graphs                 # one GPU: 43 layers x hidden 4096, 4 GiB tables
-    python bench/decode_step.py --graphs --disk --prefill 8192 --table-gib 8
+    python -m bench.decode_step --small                  # CPU (the default there): tiny sizes, < 1 min
+    python -m bench.decode_step --graphs                 # one GPU: 43 layers x hidden 4096, 4 GiB tables
+    python -m bench.decode_step --graphs --disk --prefill 8192 --table-gib 8
 """
 
 from __future__ import annotations
@@ -53,19 +53,17 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the package without installing it (the GPU machine)
-sys.path.insert(0, str(ROOT / "bench"))
-import common  # noqa: E402
+from bench import common
 
-from engram_sglang.config import EngramConfig  # noqa: E402
-from engram_sglang.errors import EngramError  # noqa: E402
-from engram_sglang.hashing import EngramLayout, NgramHasher  # noqa: E402
-from engram_sglang.layer import EngramLayer  # noqa: E402
-from engram_sglang.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits  # noqa: E402
+from engram_sglang.core.config import EngramConfig  # noqa: E402
+from engram_sglang.core.errors import EngramError  # noqa: E402
+from engram_sglang.core.hashing import EngramLayout, NgramHasher  # noqa: E402
+from engram_sglang.models.layer import EngramLayer  # noqa: E402
+from engram_sglang.core.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits  # noqa: E402
 from engram_sglang.serving.staged_rows import StagedRows  # noqa: E402
-from engram_sglang.stores import maintenance  # noqa: E402
-from engram_sglang.stores import open_store  # noqa: E402
-from engram_sglang.tablefile import open_tables, write_tables  # noqa: E402
+from engram_sglang.core.stores import maintenance  # noqa: E402
+from engram_sglang.core.stores import open_store  # noqa: E402
+from engram_sglang.core.tablefile import open_tables, write_tables  # noqa: E402
 
 TABLE_CONTENT_VERSION = 1  # bump when the rows written below change
 POOL_ROWS = 1 << 18
@@ -380,7 +378,7 @@ def limits(device: torch.device, small: bool) -> dict:
     dst = torch.empty(n, dtype=torch.uint8, device=device)
     src = torch.ones(n, dtype=torch.uint8, device=device)
 
-    from gpu_check import time_gpu  # CUDA events, best of 3 (one timer for both scripts)
+    from bench.gpu_check import time_gpu  # CUDA events, best of 3 (one timer for both scripts)
 
     torch.cuda.set_device(device)
     h2d = n / time_gpu(torch, lambda: dst.copy_(pinned, non_blocking=True), 5)

@@ -39,7 +39,7 @@ reads after a pause ran at a tenth of the disk's rate), then twice before and tw
 steps; a spread over 20% is flagged. Per step both the mean and the median (p50) are
 reported against the floor.
 
-    python bench/disk_step.py [--rows-per-layer 8000000] [--dram-share 0.1] [--batches 16,64,256] [--engine auto|aio]
+    python -m bench.disk_step [--rows-per-layer 8000000] [--dram-share 0.1] [--batches 16,64,256] [--engine auto|aio]
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, drop_file_cache, print_table, write_json  # noqa: E402
-from tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
-from workload import hashed_streams  # noqa: E402
+from bench.common import OUT, drop_file_cache, print_table, write_json  # noqa: E402
+from bench.tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
+from bench.workload import hashed_streams  # noqa: E402
 
-from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.stores import open_store, rowio  # noqa: E402
-from engram_sglang.stores.disk_step import NativeStep  # noqa: E402
-from engram_sglang.tablefile import DATA_OFFSET, layer_file_name  # noqa: E402
+from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
+from engram_sglang.core.stores import open_store, rowio  # noqa: E402
+from engram_sglang.core.stores.disk_step import NativeStep  # noqa: E402
+from engram_sglang.core.tablefile import DATA_OFFSET, layer_file_name  # noqa: E402
 
 PATHS = ("native", "python", "native@64")  # the last: the native step at the store's depth (--threads)
 SHAPES = ("cpu", "gpu-host-half")

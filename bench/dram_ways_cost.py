@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from engram_sglang.rowformat import ROW_BYTES
-from engram_sglang.stores import rowio
-from engram_sglang.stores.dram_cache import DramRowCache
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores import rowio
+from engram_sglang.core.stores.dram_cache import DramRowCache
 
 
 def _interleaved(ways: list[int], i: int) -> list[int]:

@@ -18,7 +18,7 @@ On a GPU: bench/gpu_check.py's run (its correctness checks, then gathers from HB
 registered host memory against the same-run device copy and host-to-device bandwidth, upstream
 SGLang alongside when ENGRAM_SGLANG_WHEEL names its wheel).
 
-    python bench/gather.py [--rows 2000000] [--calls 20] [--cpu]
+    python -m bench.gather [--rows 2000000] [--calls 20] [--cpu]
 Writes bench/out/gather.json and bench/out/gather.png.
 """
 
@@ -35,13 +35,11 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json  # noqa: E402
-from test_gather import DECODE_IDS, PREFILL_IDS  # noqa: E402
+from bench.common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json  # noqa: E402
+from engram_sglang.testing import DECODE_IDS, PREFILL_IDS  # noqa: E402
 
-from engram_sglang import rowformat  # noqa: E402
-from engram_sglang.ops import gather_dequant, native  # noqa: E402
+from engram_sglang.core import rowformat  # noqa: E402
+from engram_sglang.core.ops import gather_dequant, native  # noqa: E402
 
 READ, WRITTEN, LINES = rowformat.ROW_BYTES, 2 * rowformat.PAYLOAD_BYTES, 5 * 64
 
@@ -64,7 +62,7 @@ def realistic_table(rows: int, seed: int = 0) -> tuple[torch.Tensor, float]:
         hi = min(rows, lo + distinct.shape[0])
         table[lo:hi] = distinct[: hi - lo]
     try:
-        from engram_sglang.stores.hostmem import huge_page_report
+        from engram_sglang.core.stores.hostmem import huge_page_report
 
         coverage = huge_page_report(table.data_ptr(), shmem=False).coverage
     except Exception:  # noqa: BLE001 - a report, not a requirement
@@ -237,12 +235,10 @@ def plot(payload: dict, title: str) -> Path:
 
 def gpu_bench(args) -> dict:
     """bench/gpu_check.py's run (its checks, then the bandwidth table) as this benchmark's data."""
-    import importlib.util
     import types
 
-    spec = importlib.util.spec_from_file_location("gpu_check", HERE / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    from bench import gpu_check as gc
+
     report = gc.Report()
     gc.gpu_run(types.SimpleNamespace(rows=args.gpu_rows, quick=False), report)
     lim = report.info["limits"]

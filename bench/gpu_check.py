@@ -69,9 +69,7 @@ def time_gpu(torch, fn, iters: int) -> float:
 
 
 def _checks_module():
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.path.insert(0, str(ROOT))
-    import gpu_checks
+    from bench import gpu_checks
 
     return gpu_checks
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
+
+from engram_sglang.testing import PAYLOAD, ROW_BYTES, check_bits, oracle_lut, raw_bits as bits_of  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_BYTES = 264
-PAYLOAD = 256
 BIG_LAYER = 1
 SMALL_LAYERS = (1, 2)
 
@@ -40,38 +39,6 @@ def row_bytes(torch, ids, seed: int):
 
 def layer_seed(tag: str, layer_id: int) -> int:
     return {"big": 0x1234, "small": 0x5678}[tag] + 7919 * layer_id
-
-
-def oracle_lut(torch):
-    """int16 bf16 bits [scale byte, fp8 byte] from the definitions (docs/engram.md section 4):
-    e4m3fn value x 2^(e8m0 - 127), rounded once to bf16; NaN -> 0x7FC0, every zero +0."""
-    b = np.arange(256)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    e, m = (b >> 3) & 0xF, b & 0x7
-    value = sign * np.where(e == 0, m / 8.0 * 2.0**-6, (1.0 + m / 8.0) * 2.0 ** (e - 7.0))
-    value[(b & 0x7F) == 0x7F] = np.nan
-    scale = 2.0 ** (np.arange(256) - 127.0)
-    scale[255] = np.nan
-    with np.errstate(over="ignore", invalid="ignore"):
-        prod = (scale[:, None] * value[None, :]).astype(np.float32)
-    bf = torch.from_numpy(prod).to(torch.bfloat16)
-    bits = bf.view(torch.int16).clone()
-    bits[torch.isnan(bf)] = 0x7FC0
-    bits[bits == -32768] = 0
-    return bits
-
-
-def bits_of(torch, x):
-    """Raw int16 bit patterns [n, 256] on the CPU (no NaN canonicalization: the op promises it)."""
-    return x.reshape(-1, PAYLOAD).view(torch.int16).cpu()
-
-
-def check_bits(torch, got, want, ids, label: str) -> None:
-    g = bits_of(torch, got)
-    if not torch.equal(g, want):
-        bad = (g != want).any(1).nonzero().flatten()
-        some = ids.reshape(-1).cpu()[bad[:5]].tolist()
-        raise AssertionError(f"{label}: {bad.numel()} of {want.shape[0]} rows differ from the oracle (ids {some} ...)")
 
 
 # ------------------------------------------------------------------ context
@@ -107,7 +74,6 @@ class Ctx:
     def __init__(self, *, gpu: bool, quick: bool, scratch: Path, out_dir: Path):
         import torch
 
-        sys.path.insert(0, str(ROOT))
         self.torch = torch
         self.gpu, self.quick, self.scratch, self.out_dir = gpu, quick, Path(scratch), Path(out_dir)
         if gpu:
@@ -127,7 +93,7 @@ class Ctx:
 
     # the tables ------------------------------------------------------------
     def config(self, tag: str):
-        from engram_sglang.config import EngramConfig
+        from engram_sglang.core.config import EngramConfig
 
         # One column per layer (2-grams, one head): a layer's rows are the first prime >= vocab_size.
         rows, layers = (self.size.big_rows, (BIG_LAYER,)) if tag == "big" else (self.size.small_rows, SMALL_LAYERS)
@@ -138,13 +104,13 @@ class Ctx:
         return self.scratch / f"table-{tag}"
 
     def rows(self, tag: str, layer_id: int) -> int:
-        from engram_sglang.hashing import EngramLayout
+        from engram_sglang.core.hashing import EngramLayout
 
         return EngramLayout(self.config(tag)).rows(layer_id)
 
     def opened(self, tag: str) -> Path:
         """The table directory, checked (written by the `tables` check)."""
-        from engram_sglang.tablefile import open_tables
+        from engram_sglang.core.tablefile import open_tables
 
         path = self.table_dir(tag)
         try:
@@ -184,12 +150,12 @@ class Ctx:
     def host_store(self, backend: str):
         """The big table's layer through HostStore (registered with the GPU by the store), one
         store per backend actually run ("auto" shares the store of the backend it resolves to)."""
-        from engram_sglang.ops import probe
+        from engram_sglang.core.ops import probe
 
         if backend == "auto":
             backend = probe.select_backend(self.device).backend
         if backend not in self._host:
-            from engram_sglang.stores import open_store
+            from engram_sglang.core.stores import open_store
 
             stores = open_store(self.opened("big"), "host", device=self.device, backend=backend)
             self._closers.append(lambda s=stores: [x.close() for x in s.values()])

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpu_check_ctx import (BIG_LAYER, PAYLOAD, ROOT, ROW_BYTES, SMALL_LAYERS, Ctx, Replayer, Skip, bits_of, check_bits,
+from bench.gpu_check_ctx import (BIG_LAYER, PAYLOAD, ROOT, ROW_BYTES, SMALL_LAYERS, Ctx, Replayer, Skip, bits_of, check_bits,
                            delay, layer_seed, row_bytes, side_stream)
 
 LINES_PER_ROW = 5  # a 264-byte row at an 8-byte aligned offset touches five 64-byte lines
@@ -27,7 +27,7 @@ LINES_PER_ROW = 5  # a 264-byte row at an 8-byte aligned offset touches five 64-
 # ------------------------------------------------------------------ checks
 def check_device(ctx: Ctx):
     """The native library loads and runs on this device; the probe picks it."""
-    from engram_sglang.ops import native, probe
+    from engram_sglang.core.ops import native, probe
 
     torch = ctx.torch
     info = {"torch": torch.__version__, "python": sys.version.split()[0], "kind": ctx.kind}
@@ -64,8 +64,8 @@ def check_device(ctx: Ctx):
 
 def check_tables(ctx: Ctx):
     """Write the big (one layer) and small (two layers) tables with the package's writer."""
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.tablefile import open_tables, write_tables
+    from engram_sglang.core.hashing import EngramLayout
+    from engram_sglang.core.tablefile import open_tables, write_tables
 
     torch = ctx.torch
     made = []
@@ -123,7 +123,7 @@ def _correct(ctx: Ctx, gather, rows: int, seed: int, out_of_range: bool, lo: int
 
 def check_hbm(ctx: Ctx, backend: str):
     """The op with `backend` from a device-memory table (past 4 GiB on a GPU) and from a shard of it."""
-    from engram_sglang.ops import gather_dequant, probe
+    from engram_sglang.core.ops import gather_dequant, probe
 
     if backend == "triton":
         _triton_runs(ctx, probe)
@@ -146,7 +146,7 @@ def _triton_runs(ctx: Ctx, probe) -> None:
 
 def check_host(ctx: Ctx, backend: str):
     """HostStore (placement host, registered by the store) with `backend`: store.gather."""
-    from engram_sglang.ops import probe
+    from engram_sglang.core.ops import probe
 
     if backend == "triton":
         _triton_runs(ctx, probe)
@@ -159,7 +159,7 @@ def check_host(ctx: Ctx, backend: str):
 
 def check_host_shard(ctx: Ctx):
     """HostStore of rank 1 of 2 (it registers its half): its rows, +0 rows for the other half."""
-    from engram_sglang.stores import open_store
+    from engram_sglang.core.stores import open_store
 
     stores = open_store(ctx.opened("big"), "host", device=ctx.device, tp_rank=1, tp_size=2)
     try:
@@ -176,7 +176,7 @@ def check_host_shard(ctx: Ctx):
 def check_graphs(ctx: Ctx):
     """Each backend's gather captured once (after eager warm-up on a side stream), replayed on new ids,
     from the HBM table and through HostStore."""
-    from engram_sglang.ops import gather_dequant, probe
+    from engram_sglang.core.ops import gather_dequant, probe
 
     torch = ctx.torch
     backends = list(ctx.backends())
@@ -213,7 +213,7 @@ def check_graphs(ctx: Ctx):
 
 
 def _cache(ctx: Ctx):
-    from engram_sglang.stores import open_store
+    from engram_sglang.core.stores import open_store
 
     stores = open_store(ctx.opened("small"), "host", device=ctx.device, cache_bytes=ctx.size.cache_bytes)
     return stores, stores[SMALL_LAYERS[0]]
@@ -261,7 +261,7 @@ def _between_steps(cache):
     """What the serving layer runs after every forward step (outside any graph): the stores'
     maintenance entry where this tree has it, else the cache's own maintain()."""
     try:
-        from engram_sglang.stores import maintenance
+        from engram_sglang.core.stores import maintenance
     except ImportError:
         maintenance = None
     if maintenance is not None and hasattr(maintenance, "between_steps"):
@@ -316,7 +316,7 @@ def check_cache_replay(ctx: Ctx):
 def check_disk_prefetch(ctx: Ctx):
     """Disk placement on a GPU: ids made by a kernel on a side stream (after ~100 us of other work
     there), prefetch issued and waited on that stream, rows copied on it; fresh ids every step."""
-    from engram_sglang.stores import open_store
+    from engram_sglang.core.stores import open_store
 
     torch = ctx.torch
     stores = open_store(ctx.opened("small"), "disk", device=ctx.device)
@@ -347,7 +347,7 @@ def check_dropped_handles(ctx: Ctx):
     """Each step a consumed prefetch and a dropped one (released, never waited on), on a side
     stream, host and disk placements; a same-sized canary allocated after each drop must stay
     intact and the consumed rows bit-exact (no allocator reuse while the dropped gather runs)."""
-    from engram_sglang.stores import Prefetch, open_store
+    from engram_sglang.core.stores import Prefetch, open_store
 
     torch = ctx.torch
     has_release = hasattr(Prefetch, "release")
@@ -394,7 +394,7 @@ def check_dropped_handles(ctx: Ctx):
 
 def check_compile(ctx: Ctx):
     """torch.compile(fullgraph=True) traces through the op (its fake implementation) and runs."""
-    from engram_sglang.ops import gather_dequant
+    from engram_sglang.core.ops import gather_dequant
 
     torch = ctx.torch
     if not ctx.gpu:
@@ -482,12 +482,11 @@ def time_graph(ctx: Ctx, fn, iters: int) -> float:
 def copy_limits(ctx: Ctx) -> dict:
     """Same-run limits: device copy (bytes read + written) and host-to-device from pinned memory."""
     torch = ctx.torch
-    sys.path.insert(0, str(ROOT / "bench"))
     if not ctx.gpu:
-        import common
+        from bench import common
 
         return {"d2d_bytes_per_s": common.torch_copy_bandwidth(32 << 20), "h2d_bytes_per_s": float("nan")}
-    from gpu_check import time_gpu
+    from bench.gpu_check import time_gpu
 
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device=ctx.device)
@@ -502,7 +501,7 @@ def copy_limits(ctx: Ctx) -> dict:
 def check_bandwidth(ctx: Ctx):
     """Decode- and prefill-sized gathers from HBM and through HostStore, per backend, against the
     same-run device copy and host-to-device copy."""
-    from engram_sglang.ops import gather_dequant, probe
+    from engram_sglang.core.ops import gather_dequant, probe
 
     torch = ctx.torch
     lim = copy_limits(ctx)

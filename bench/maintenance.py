@@ -1,6 +1,6 @@
 """What the hot-row caches' between-steps maintenance costs, at model-shaped sizes.
 
-    python bench/maintenance.py [--layers 4] [--tokens 256] [--rows 1048576] [--share 0.05]
+    python -m bench.maintenance [--layers 4] [--tokens 256] [--rows 1048576] [--share 0.05]
                                 [--every 1,2,4,8,16] [--steps 96] [--device cpu] [--json]
 
 Each step: every layer's cache gathers `tokens` x 24 skewed ids (a decode batch), then
@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engram_sglang.ops import gather_dequant  # noqa: E402
-from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.stores import maintenance  # noqa: E402
-from engram_sglang.stores.base import ResidentTable, TableStore  # noqa: E402
-from engram_sglang.stores.cache import HotRowCache  # noqa: E402
-from engram_sglang.stores.row_directory import SLOT_OVERHEAD  # noqa: E402
+from engram_sglang.core.ops import gather_dequant  # noqa: E402
+from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
+from engram_sglang.core.stores import maintenance  # noqa: E402
+from engram_sglang.core.stores.base import ResidentTable, TableStore  # noqa: E402
+from engram_sglang.core.stores.cache import HotRowCache  # noqa: E402
+from engram_sglang.core.stores.row_directory import SLOT_OVERHEAD  # noqa: E402
 
 IDS_PER_TOKEN = 24
 

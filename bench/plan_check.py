@@ -15,7 +15,7 @@ within 25%.
 Per cache size and batch a fresh store: steps 0..W-1 of the first `batch` streams warm it
 (W-1 here, the last by decode_run's untimed first call), steps W..W+M-1 are measured.
 
-    python bench/plan_check.py [--rows-per-layer 8000000] [--dram-shares 0.01,0.1] [--batches 16,64,256]
+    python -m bench.plan_check [--rows-per-layer 8000000] [--dram-shares 0.01,0.1] [--batches 16,64,256]
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, print_table, write_json  # noqa: E402
-from tiers import decode_run, ensure_table  # noqa: E402
-from workload import hashed_streams  # noqa: E402
+from bench.common import OUT, print_table, write_json  # noqa: E402
+from bench.tiers import decode_run, ensure_table  # noqa: E402
+from bench.workload import hashed_streams  # noqa: E402
 
-from engram_sglang.hashing import EngramLayout  # noqa: E402
-from engram_sglang.planning import disk as planner_disk  # noqa: E402
-from engram_sglang.stores import open_store  # noqa: E402
-from engram_sglang.tablefile import layer_file_name  # noqa: E402
+from engram_sglang.core.hashing import EngramLayout  # noqa: E402
+from engram_sglang.core.planning import disk as planner_disk  # noqa: E402
+from engram_sglang.core.stores import open_store  # noqa: E402
+from engram_sglang.core.tablefile import layer_file_name  # noqa: E402
 
 GOAL = 0.25
 

@@ -16,7 +16,7 @@ cache hits on real reuse, not on a replay of the warm-up.
 
 Writes a table to stdout, bench/out/serve.json and bench/out/serve.png.
 
-    python bench/serve.py [--placements device,host,disk,disk:dram=0,disk:dram=0.01,disk:dram=0.1] [--requests 32]
+    python -m bench.serve [--placements device,host,disk,disk:dram=0,disk:dram=0.01,disk:dram=0.1] [--requests 32]
 """
 
 from __future__ import annotations
@@ -27,19 +27,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import OUT, print_table, write_json  # noqa: E402
+from bench.common import OUT, print_table, write_json  # noqa: E402
 
-from engram_sglang.demo import demo_model  # noqa: E402
+from engram_sglang.tools.demo.run import demo_model  # noqa: E402
 from engram_sglang.serving.launch import Server  # noqa: E402
 
 
 def prompts(tokenizer, n: int, salt: int = 0) -> list[list[int]]:
     """n prompts of 8..64 tokens cut from offline text (the demo corpus); another `salt`
     cuts them at other places."""
-    from engram_sglang.demo import demo_corpus
+    from engram_sglang.tools.demo.run import demo_corpus
 
     ids = tokenizer("\n".join(demo_corpus(120_000)[1:]))["input_ids"]
     lengths = (8, 16, 32, 64)

@@ -1,5 +1,5 @@
 """Skipping reads by a per-row gate history (issue 16 item 5) on the demo model: reads saved vs
-bits/token lost, on the reference forward (engram_sglang/analysis/skip.py says how).
+bits/token lost, on the reference forward (engram_sglang/tools/analysis/skip.py says how).
 
 History: `scan`'s per-row mean gate over held-out standard-library files; evaluation: two other
 held-out files (the README's ablation's code domain). The demo's tables are a memory of its
@@ -16,8 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT  # noqa: E402
+from bench.common import OUT  # noqa: E402
 
 STDLIB = Path(os.__file__).parent
 HISTORY = [STDLIB / f for f in ("ast.py", "base64.py", "bdb.py", "calendar.py", "codecs.py", "configparser.py",
@@ -27,12 +26,12 @@ THRESHOLDS = (0.0, 0.4, 0.5, 0.6, 2.0)
 
 
 def main() -> int:
-    from engram_sglang.analysis.inputs import documents
-    from engram_sglang.analysis.scan import run_scan
-    from engram_sglang.analysis.skip import evaluate, read_gate_stats
-    from engram_sglang.demo import demo_model
-    from engram_sglang.demo_corpus import demo_corpus
-    from engram_sglang.demo_model import TABLE_DIR_NAME
+    from engram_sglang.tools.analysis.inputs import documents
+    from engram_sglang.tools.analysis.scan import run_scan
+    from engram_sglang.tools.analysis.skip import evaluate, read_gate_stats
+    from engram_sglang.tools.demo.run import demo_model
+    from engram_sglang.tools.demo.corpus import demo_corpus
+    from engram_sglang.tools.demo.model import TABLE_DIR_NAME
     from engram_sglang.models.reference import ReferenceModel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

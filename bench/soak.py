@@ -26,7 +26,7 @@ with an error finish reason and whether the server kept serving ("contained").
 
 Prints a table, writes OUT/NAME.json and OUT/NAME.png (RSS, fds, shm and latency over time).
 
-    python bench/soak.py [--minutes 2] [--placements disk,host] [--clients 32] [--hard-faults]
+    python -m bench.soak [--minutes 2] [--placements disk,host] [--clients 32] [--hard-faults]
 """
 
 from __future__ import annotations
@@ -47,10 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import OUT, machine, print_table  # noqa: E402
+from bench.common import OUT, machine, print_table  # noqa: E402
 
 from engram_sglang.serving.launch import Server, _group_members  # noqa: E402
 
@@ -65,7 +63,7 @@ RETRIES = 2  # --engram-disk-retries of the soak's disk server
 # ------------------------------------------------------------------ workload
 def prompt_pool(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     """n (prompt ids, new tokens) pairs cut from offline text at seeded places."""
-    from engram_sglang.demo import demo_corpus
+    from engram_sglang.tools.demo.run import demo_corpus
 
     ids = tokenizer("\n".join(demo_corpus(200_000)[1:]))["input_ids"]
     rng = random.Random(seed)
@@ -379,7 +377,7 @@ def check_tokens(runs: list[dict], pool, model_dir: Path) -> None:
     """Marks every request's tokens right or wrong against the reference forward: each distinct
     completion of a pool item is teacher-forced once (every token must be the argmax after the
     tokens before it); a completion that is a prefix of a checked one needs no forward."""
-    from engram_sglang.demo_model import TABLE_DIR_NAME
+    from engram_sglang.tools.demo.model import TABLE_DIR_NAME
     from engram_sglang.models.reference import ReferenceModel
 
     ref = ReferenceModel(model_dir, model_dir / TABLE_DIR_NAME)
@@ -535,7 +533,7 @@ def main(argv=None) -> int:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from engram_sglang.demo import demo_model
+        from engram_sglang.tools.demo.run import demo_model
 
         model_dir, _ = demo_model(workdir)
     from transformers import AutoTokenizer

@@ -13,7 +13,7 @@ filled with `--warm-tokens` tokens of the same streams) its time against the flo
 unique misses set at the IOPS measured just before; per prefill chunk the rate of its misses against that IOPS, and how much of a chunk's
 reads read-ahead hides behind the previous chunk. `--part placements` is the first part only.
 
-    python bench/tiers.py [--rows-per-layer 16000000] [--kind code|prose] [--part all|placements|pipeline]
+    python -m bench.tiers [--rows-per-layer 16000000] [--kind code|prose] [--part all|placements|pipeline]
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, drop_file_cache, print_table, torch_copy_bandwidth, write_json  # noqa: E402
-from workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hashed_streams, prefill_chunks  # noqa: E402
+from bench.common import OUT, drop_file_cache, print_table, torch_copy_bandwidth, write_json  # noqa: E402
+from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hashed_streams, prefill_chunks  # noqa: E402
 
-from engram_sglang.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.stores import open_store, rowio  # noqa: E402
-from engram_sglang.tablefile import layer_file_name, open_tables, write_tables  # noqa: E402
-from engram_sglang.errors import EngramError  # noqa: E402
+from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
+from engram_sglang.core.stores import open_store, rowio  # noqa: E402
+from engram_sglang.core.tablefile import layer_file_name, open_tables, write_tables  # noqa: E402
+from engram_sglang.core.errors import EngramError  # noqa: E402
 
 
 def ensure_table(cfg, rows: int) -> Path:
@@ -49,7 +48,7 @@ def ensure_table(cfg, rows: int) -> Path:
     except EngramError:
         pass
     rng = np.random.default_rng(0)
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.hashing import EngramLayout
 
     n = EngramLayout(cfg).rows(cfg.layer_ids[0])
     chunks = (rng.integers(0, 256, (min(1 << 18, n - lo), ROW_BYTES), dtype=np.uint8) for lo in range(0, n, 1 << 18))
@@ -66,7 +65,7 @@ def ensure_big_table(cfg) -> Path:
         return root
     except EngramError:
         pass
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.hashing import EngramLayout
 
     n = EngramLayout(cfg).rows(cfg.layer_ids[0])
     block = np.random.default_rng(1).integers(0, 256, (1 << 18, ROW_BYTES), dtype=np.uint8)

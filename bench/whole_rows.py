@@ -20,7 +20,7 @@ at TP 2, 4 and 8:
   figures at each link's peak, and this machine's memcpy bandwidth in the same run (its
   own limit for host-memory reads; the GPU links are not on this machine).
 
-    python bench/whole_rows.py [--budgets 0.005 0.02] [--steps 600] [--tps 2 4 8]
+    python -m bench.whole_rows [--budgets 0.005 0.02] [--steps 600] [--tps 2 4 8]
 
 Writes bench/out/whole_rows.json and whole_rows.png.
 """
@@ -36,16 +36,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
-from workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
+from bench.common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
+from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
 
-from engram_sglang.config import EngramConfig  # noqa: E402
-from engram_sglang.planning import whole_rows  # noqa: E402
-from engram_sglang.planning.data import load_gpus  # noqa: E402
-from engram_sglang.planning.model import lines_per_row, row_bytes  # noqa: E402
-from engram_sglang.stores.base import shard_range  # noqa: E402
-from engram_sglang.stores.row_directory import RowDirectory  # noqa: E402
+from engram_sglang.core.config import EngramConfig  # noqa: E402
+from engram_sglang.core.planning import whole_rows  # noqa: E402
+from engram_sglang.core.planning.data import load_gpus  # noqa: E402
+from engram_sglang.core.planning.model import lines_per_row, row_bytes  # noqa: E402
+from engram_sglang.core.stores.base import shard_range  # noqa: E402
+from engram_sglang.core.stores.row_directory import RowDirectory  # noqa: E402
 
 PRESET = "deepseek-v4.1-flash"
 TPS = (2, 4, 8)
@@ -80,7 +79,7 @@ def hit_rates(budgets, tps, steps: int, reads_per_row: float, vocab: int) -> tup
     tokens = tokens[: steps * DECODE_BATCH]
     rows_target = int(len(tokens) * 24 / reads_per_row)
     cfg, hasher = hasher_for(tokenizer, rows_target, (1, 14))
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.hashing import EngramLayout
 
     rows = EngramLayout(cfg).rows(cfg.layer_ids[0])
     trace = decode_steps(split_streams(hasher, tokens), 0, len(tokens) // DECODE_BATCH)
@@ -103,10 +102,10 @@ def _replay(trace, capacity: int, rng_range) -> float:
 
 def bit_identical(tps) -> dict:
     """Each rank's whole rows vs the private shards of all ranks summed, bit for bit."""
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.rowformat import ROW_BYTES, bf16_bits
-    from engram_sglang.stores import open_store
-    from engram_sglang.tablefile import write_tables
+    from engram_sglang.core.hashing import EngramLayout
+    from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
+    from engram_sglang.core.stores import open_store
+    from engram_sglang.core.tablefile import write_tables
 
     cfg = EngramConfig(layer_ids=(1, 3), max_ngram_size=4, n_heads=2, head_dim=256, vocab_size=1000,
                        compressed_vocab_size=300, pad_token_id=2, source="bench")

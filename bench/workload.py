@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from engram_sglang import EngramConfig, NgramHasher
-from engram_sglang.demo import train_tokenizer
-from engram_sglang.hashing import compressed_token_map
+from engram_sglang.tools.demo.run import train_tokenizer
+from engram_sglang.core.hashing import compressed_token_map
 
 DECODE_BATCH = 256  # concurrent requests: one token each per decode step
 PREFILL_CHUNK = 8192  # tokens of one prefill chunk

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 
 def main() -> int:
     import engram_sglang
-    from engram_sglang.ops.native import kernels_dir
+    from engram_sglang.core.ops.native import kernels_dir
 
     plugins = [e for e in entry_points(group="sglang.srt.plugins") if e.value.startswith("engram_sglang")]
     if not plugins:

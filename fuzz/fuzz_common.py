@@ -12,7 +12,7 @@ Each harness turns one input into files with a FuzzedDataProvider: a valid basel
 edits chosen by the bytes (JSON values swapped for hostile ones, bytes overwritten or cut,
 files replaced by directories, FIFOs, symlinks). Structured edits reach the checks behind
 the JSON parser, which byte flips of a valid file rarely get past; the same bytes always
-make the same files, so a crash file replays (`python fuzz/fuzz_X.py CRASH_FILE`).
+make the same files, so a crash file replays (`python -m fuzz.fuzz_X CRASH_FILE`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def instrumented():
 
 
 with instrumented():
-    from engram_sglang.errors import EngramError
+    from engram_sglang.core.errors import EngramError
 
 
 class RuleBroken(AssertionError):
@@ -274,7 +274,7 @@ def _collecting(test_one_input: Callable[[bytes], None], out_dir: Path) -> Calla
 
 
 def fuzz_main(test_one_input: Callable[[bytes], None]) -> None:
-    """libFuzzer's command line: `python fuzz/fuzz_X.py [-runs=N -seed=S ...] [CORPUS_DIR|FILE ...]`.
+    """libFuzzer's command line: `python -m fuzz.fuzz_X [-runs=N -seed=S ...] [CORPUS_DIR|FILE ...]`.
     With FUZZ_COLLECT=DIR, findings are saved there and the run goes on (a hang still ends it)."""
     if os.environ.get("FUZZ_SELF_TEST"):  # the negative control of tests/test_fuzz.py: a finding fails the run
         def test_one_input(data: bytes) -> None:

@@ -7,7 +7,7 @@ and `resolve` (what every `--config`/`--model` option takes), preset names throu
 Beyond the rule (fuzz/fuzz_common.py), a config that loads must survive its own round trip
 (same fields, same fingerprint) and give a layout of one positive row count per layer.
 
-    python fuzz/fuzz_config.py -runs=2000 -seed=1 NEW_DIR fuzz/corpus/config
+    python -m fuzz.fuzz_config -runs=2000 -seed=1 NEW_DIR fuzz/corpus/config
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import atheris  # noqa: E402
 
-from fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
 
 with instrumented():
-    from engram_sglang.config import EngramConfig, configs_dir
-    from engram_sglang.hashing import EngramLayout
+    from engram_sglang.core.config import EngramConfig, configs_dir
+    from engram_sglang.core.hashing import EngramLayout
 
 _PRESET = json.loads((configs_dir() / "deepseek-v4.1-flash.json").read_text())
 _TINY = {"engram_layer_ids": [0, 2], "engram_max_ngram_size": 2, "engram_n_heads": 2, "engram_head_dim": 256,

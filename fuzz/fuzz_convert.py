@@ -8,7 +8,7 @@ Beyond the rule (fuzz/fuzz_common.py): a convert that succeeds wrote a directory
 holding exactly the rows the checkpoint's tensors pack to (read whole with safetensors);
 a convert that fails left a good table directory it was writing over as it was.
 
-    python fuzz/fuzz_convert.py -runs=500 -seed=1 NEW_DIR fuzz/corpus/convert
+    python -m fuzz.fuzz_convert -runs=500 -seed=1 NEW_DIR fuzz/corpus/convert
 """
 
 from __future__ import annotations
@@ -18,21 +18,19 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import atheris  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
-from fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
 
 with instrumented():
-    from engram_sglang.config import EngramConfig
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.rowformat import pack, split
-    from engram_sglang.tablefile import convert_checkpoint, inspect_tables, open_tables, verify_tables, write_tables
+    from engram_sglang.core.config import EngramConfig
+    from engram_sglang.core.hashing import EngramLayout
+    from engram_sglang.core.rowformat import pack, split
+    from engram_sglang.core.tablefile import convert_checkpoint, inspect_tables, open_tables, verify_tables, write_tables
 
 TINY = EngramConfig(layer_ids=(0, 2), max_ngram_size=2, n_heads=2, head_dim=256, vocab_size=3,
                     compressed_vocab_size=3, pad_token_id=0, hidden_size=64)

@@ -8,7 +8,7 @@ trust: its layer files are regular files inside it, its rows are the baseline's 
 with a config its layers and row counts are that config's layout, and without one the
 config block its manifest declares is valid, matches its fingerprint and verifies too.
 
-    python fuzz/fuzz_tables.py -runs=2000 -seed=1 NEW_DIR fuzz/corpus/tables
+    python -m fuzz.fuzz_tables -runs=2000 -seed=1 NEW_DIR fuzz/corpus/tables
 """
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import atheris  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
 
 with instrumented():
-    from engram_sglang.config import EngramConfig
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.tablefile import DATA_OFFSET, MANIFEST, inspect_tables, open_tables, verify_tables, write_tables
+    from engram_sglang.core.config import EngramConfig
+    from engram_sglang.core.hashing import EngramLayout
+    from engram_sglang.core.tablefile import DATA_OFFSET, MANIFEST, inspect_tables, open_tables, verify_tables, write_tables
 
 # Two layers of 8 and 18 rows: every file is a few KiB, so a run is parsing, not I/O.
 TINY = EngramConfig(layer_ids=(0, 2), max_ngram_size=2, n_heads=2, head_dim=256, vocab_size=3,

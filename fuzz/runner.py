@@ -1,12 +1,12 @@
 """Run the fuzz harnesses: `make fuzz` (FUZZ_SECONDS each) and tests/test_fuzz.py (a fixed
 seed and run count) both come here.
 
-    python fuzz/runner.py [--seconds S | --runs N] [--seed S] [--out build/fuzz] [TARGET ...]
+    python -m fuzz.runner [--seconds S | --runs N] [--seed S] [--out build/fuzz] [TARGET ...]
 
 Each target (fuzz/fuzz_TARGET.py) runs in its own process under libFuzzer, starting from
 its seed corpus fuzz/corpus/TARGET (read only: new inputs go to OUT/TARGET/corpus). A
 finding stops it and leaves the input in OUT/TARGET/ (crash-*, timeout-*, oom-*); replay it
-with `python fuzz/fuzz_TARGET.py FILE`, then add it to the corpus as a regression case
+with `python -m fuzz.fuzz_TARGET FILE`, then add it to the corpus as a regression case
 (fuzz/corpus/TARGET/regression-WHAT) with a test in tests/test_fuzz.py.
 """
 
@@ -52,7 +52,7 @@ class Result:
         tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-60:])
         found = ", ".join(map(str, self.findings)) or "none written"
         return (f"fuzz {self.target}: FAILED (exit {self.returncode}) in {self.seconds:.0f} s; input(s): {found}\n"
-                f"replay: {sys.executable} {HERE / f'fuzz_{self.target}.py'} FILE\n--- log tail ({self.log}) ---\n{tail}")
+                f"replay: {sys.executable} -m fuzz.fuzz_{self.target} FILE\n--- log tail ({self.log}) ---\n{tail}")
 
 
 def command(target: str, out: Path, *, runs: Optional[int], seconds: Optional[int], seed: int) -> list[str]:
@@ -60,7 +60,7 @@ def command(target: str, out: Path, *, runs: Optional[int], seconds: Optional[in
         raise SystemExit(f"fuzz: unknown target {target!r}; targets: {', '.join(TARGETS)}")
     new = out / "corpus"
     new.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(HERE / f"fuzz_{target}.py"), f"-seed={seed}", f"-timeout={PER_INPUT_TIMEOUT_S}",
+    cmd = [sys.executable, "-m", f"fuzz.fuzz_{target}", f"-seed={seed}", f"-timeout={PER_INPUT_TIMEOUT_S}",
            f"-rss_limit_mb={RSS_LIMIT_MB}", "-max_len=4096", f"-artifact_prefix={out}/", "-print_final_stats=1"]
     if runs is not None:
         cmd.append(f"-runs={runs}")
@@ -93,7 +93,8 @@ def run(target: str, out_root: Path, *, runs: Optional[int] = None, seconds: Opt
             # be "out of memory" before its first input. A grandchild starts from the shell's.
             rc = subprocess.run(["/bin/sh", "-c", '"$@"; exit $?', "sh",
                                  *command(target, out, runs=runs, seconds=seconds, seed=seed)],
-                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=HERE.parent).returncode  # `-m fuzz.X` from the repository root
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)

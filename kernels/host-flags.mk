@@ -1,5 +1,5 @@
 # The host libraries' compile flags, in one place: mk/kernels.mk and mk/rowio.mk include this
-# file, and an installed wheel carries it beside the sources so that engram_sglang/nativelibs.py
+# file, and an installed wheel carries it beside the sources so that engram_sglang/core/nativelibs.py
 # builds on first use with the same flags (it reads the `NAME := flags` lines below).
 # No fast-math and no contraction (-ffp-contract=off): the decode must give the torch
 # reference's bits.

@@ -11,4 +11,4 @@ FUZZ_TARGETS ?= tables config convert
 
 .PHONY: fuzz
 fuzz: setup
-	$(PY) fuzz/runner.py --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out build/fuzz $(FUZZ_TARGETS)
+	$(PY) -m fuzz.runner --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out build/fuzz $(FUZZ_TARGETS)

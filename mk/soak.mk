@@ -18,4 +18,4 @@ TEST_PREREQS += faults
 
 soak: setup rowio faults
 	@$(MAKE) --no-print-directory kernels VENDOR=cpu
-	$(PY) bench/soak.py --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)

@@ -1,4 +1,5 @@
-"""Shared fixtures: small Engram configs and tokenizers trained here, on text this machine has."""
+"""Shared fixtures: tokenizers trained here, on text this machine has, and fresh random seeds
+(the helpers behind them: tests/support/tables.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,7 @@ import sys
 import pytest
 import torch
 
-from engram_sglang import EngramConfig, demo
-
-def train_tokenizer(kind: str = "bytelevel", vocab_size: int = 1500):
-    """A fast HF tokenizer trained here (no hub): 'bytelevel' BPE or 'whitespace' WordPiece."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if kind == "bytelevel":
-        return demo.train_tokenizer(demo.demo_corpus(), vocab_size)
-    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "<pad>", "</s>", "<image>"], show_progress=False)
-    tok.train_from_iterator(demo.demo_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+from tests.support.tables import train_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -34,42 +21,6 @@ def bytelevel_tokenizer():
 @pytest.fixture(scope="session")
 def wordpiece_tokenizer():
     return train_tokenizer("whitespace", 1200)
-
-
-def small_config(compressed_vocab_size: int, **overrides) -> EngramConfig:
-    fields = dict(
-        layer_ids=(1, 3),
-        max_ngram_size=4,
-        n_heads=4,
-        head_dim=256,
-        vocab_size=1000,
-        compressed_vocab_size=compressed_vocab_size,
-        pad_token_id=2,
-        hidden_size=64,
-    )
-    fields.update(overrides)
-    return EngramConfig(**fields)
-
-
-def random_rows(cfg: EngramConfig) -> dict:
-    """Random packed rows for every Engram layer of `cfg` (layer id -> uint8 [rows, ROW_BYTES]
-    numpy), from a fresh seed each run, printed so that a failure can be replayed."""
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.rowformat import ROW_BYTES
-
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random table seed {seed}", file=sys.stderr)
-    gen, layout = torch.Generator().manual_seed(seed), EngramLayout(cfg)
-    return {L: torch.randint(0, 256, (layout.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen).numpy()
-            for L in cfg.layer_ids}
-
-
-def random_table_dir(parent, cfg: EngramConfig) -> tuple:
-    """(a table directory of random rows for `cfg` written under `parent`, its rows)."""
-    from engram_sglang.tablefile import write_tables
-
-    rows = random_rows(cfg)
-    return write_tables(parent / "t", cfg, rows, progress=False), rows
 
 
 @pytest.fixture

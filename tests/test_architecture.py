@@ -3,7 +3,7 @@
 * the core (config, hashing, rowformat, tablefile, ops, stores) never imports sglang, directly or
   through another module of the package;
 * ops never import stores;
-* models reach the stores only through `open_store` / `TableStore` of `engram_sglang.stores`;
+* models reach the stores only through `open_store` / `TableStore` of `engram_sglang.core.stores`;
 * stores never import serving or models;
 * kernels/ has no torch (no include, no import).
 
@@ -150,17 +150,17 @@ def test_kernels_have_no_torch():
 
 # ------------------------------------------------------------ negative controls
 @pytest.mark.parametrize("module, line, expected", [
-    ("engram_sglang.ops.gather", "from ..stores import open_store", "ops import stores"),
-    ("engram_sglang.ops.gather", "import engram_sglang.stores.placements", "ops import stores"),
-    ("engram_sglang.stores.base", "from ..serving.settings import ServeSettings", "stores import engram_sglang.serving"),
-    ("engram_sglang.stores.placements", "from .. import models", "stores import engram_sglang"),
+    ("engram_sglang.core.ops.gather", "from ..stores import open_store", "ops import stores"),
+    ("engram_sglang.core.ops.gather", "import engram_sglang.core.stores.placements", "ops import stores"),
+    ("engram_sglang.core.stores.base", "from ..serving.settings import ServeSettings", "stores import engram_sglang.serving"),
+    ("engram_sglang.core.stores.placements", "from .. import models", "stores import engram_sglang"),
     ("engram_sglang.models.qwen3_engram", "from ..stores.placements import HostStore",
      "models reach the stores only through open_store/TableStore"),
     ("engram_sglang.models.qwen3_engram", "from ..stores import DiskStore",
      "models reach the stores only through open_store/TableStore"),
-    ("engram_sglang.hashing", "def f():\n    from sglang.srt.layers import engram", "the core imports sglang"),
+    ("engram_sglang.core.hashing", "def f():\n    from sglang.srt.layers import engram", "the core imports sglang"),
     # through another module: the rowformat core module imports serving.history, which imports sglang
-    ("engram_sglang.rowformat", "from .serving import history", "reaches sglang through"),
+    ("engram_sglang.core.rowformat", "from .serving import history", "reaches sglang through"),
 ])
 def test_a_broken_rule_is_reported(module, line, expected):
     files = package_files()
@@ -229,7 +229,7 @@ def test_no_import_circles():
 def test_an_import_circle_is_reported():
     # The circle there was: the demo model imported the demo for its corpus, the demo the model.
     files = package_files()
-    module = "engram_sglang.demo_model"
+    module = "engram_sglang.tools.demo.model"
     source = files[module].read_text() + "\n\ndef f():\n    from .demo import demo_corpus\n"
     circles = import_cycles(files, {module: source})
-    assert any({"engram_sglang.demo", "engram_sglang.demo_model"} <= set(c) for c in circles), circles
+    assert any({"engram_sglang.tools.demo.run", "engram_sglang.tools.demo.model"} <= set(c) for c in circles), circles

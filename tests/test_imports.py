@@ -79,11 +79,11 @@ def test_plugin_import_is_cheap_and_registers_nothing():
     assert best < 0.1, f"importing engram_sglang.plugin took {best * 1e3:.0f} ms over SGLang's own plugin import"
     for r in runs:
         imp, load = r["after_import"], r["after_load"]
-        assert imp["modules"] == ["engram_sglang", "engram_sglang.patching", "engram_sglang.plugin"], imp["modules"]
+        assert imp["modules"] == ["engram_sglang", "engram_sglang.plugin", "engram_sglang.plugin.targets"], imp["modules"]
         assert imp["collectors"] == [] and not imp["op"]
         # load() installs import hooks; the op, the stores and the metrics still wait for a store.
         assert load["finders"] == imp["finders"] + 1
-        assert not any(m.startswith(("engram_sglang.ops", "engram_sglang.stores")) for m in load["modules"])
+        assert not any(m.startswith(("engram_sglang.core.ops", "engram_sglang.core.stores")) for m in load["modules"])
         assert load["collectors"] == [] and not load["op"]
 
 
@@ -91,12 +91,13 @@ def test_public_names_import_on_first_use():
     r = _run("""
         import json, sys
         import engram_sglang
-        lazy = not any(m.startswith(("engram_sglang.ops", "engram_sglang.stores", "engram_sglang.hashing"))
+        lazy = not any(m.startswith(("engram_sglang.core.ops", "engram_sglang.core.stores", "engram_sglang.core.hashing"))
                        for m in sys.modules)
-        from engram_sglang import EngramConfig, NgramHasher, open_store, probe, rowformat, tablefile
-        import engram_sglang.stores, engram_sglang.ops.probe, engram_sglang.hashing
-        same = (open_store is engram_sglang.stores.open_store and probe is engram_sglang.ops.probe
-                and NgramHasher is engram_sglang.hashing.NgramHasher)
+        from engram_sglang import EngramConfig, NgramHasher, open_store, probe
+        from engram_sglang.core import rowformat, tablefile
+        import engram_sglang.core.stores, engram_sglang.core.ops.probe, engram_sglang.core.hashing
+        same = (open_store is engram_sglang.core.stores.open_store and probe is engram_sglang.core.ops.probe
+                and NgramHasher is engram_sglang.core.hashing.NgramHasher)
         names = all(hasattr(engram_sglang, n) for n in engram_sglang.__all__)
         print(json.dumps(dict(lazy=lazy, same=same, names=names, dir="open_store" in dir(engram_sglang))))
     """)
@@ -112,11 +113,11 @@ def test_metrics_register_once_when_a_store_opens():
         import json
         import numpy as np
         from prometheus_client import REGISTRY
-        from conftest import small_config
-        from engram_sglang import tablefile
-        from engram_sglang.hashing import EngramLayout
-        from engram_sglang.rowformat import ROW_BYTES
-        from engram_sglang.stores import open_store
+        from tests.support.tables import small_config
+        from engram_sglang.core import tablefile
+        from engram_sglang.core.hashing import EngramLayout
+        from engram_sglang.core.rowformat import ROW_BYTES
+        from engram_sglang.core.stores import open_store
         import tempfile
 
         def collectors(prefix):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engram_sglang.planner import load_gpus
+from engram_sglang.tools.planner import load_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = {"cuda": ROOT / "docker" / "Dockerfile.cuda", "rocm": ROOT / "docker" / "Dockerfile.rocm"}
@@ -209,7 +209,7 @@ def test_readme_documents_shm_for_shared_tables():
     text = (ROOT / "docker" / "README.md").read_text()
     assert "--shm-size" in text and "--ipc=host" in text and "64 MiB" in text
     # The figure it quotes is the planner's.
-    from engram_sglang.planner import plan
+    from engram_sglang.tools.planner import plan
 
     size = plan(model="deepseek-v4.1-flash", gpu="H200", tp=4, placement="host")["dev_shm"]["docker_shm_size"]
     assert f"--shm-size={size}" in text

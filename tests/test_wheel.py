@@ -1,7 +1,7 @@
 """The package works where it is installed, not only in this checkout.
 
 The native host libraries (host gather, disk row reads) are found through one lookup
-(engram_sglang/nativelibs.py): ENGRAM_KERNELS_DIR, the checkout's build/kernels, the package's
+(engram_sglang/core/nativelibs.py): ENGRAM_KERNELS_DIR, the checkout's build/kernels, the package's
 _lib, else built on first use into the cache from the sources the wheel carries. The slow test
 builds the wheel, installs it into a fresh venv (dependencies from this venv, no index), and
 from a directory outside the repository writes a table, opens it on disk and gathers with the
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from engram_sglang import nativelibs
-from engram_sglang.errors import EngramError
-from engram_sglang.ops import native
-from engram_sglang.stores import rowio
+from engram_sglang.core import nativelibs
+from engram_sglang.core.errors import EngramError
+from engram_sglang.core.ops import native
+from engram_sglang.core.stores import rowio
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_LIB = "libengram_io.so"  # the quicker of the two host builds (~2 s)
@@ -128,12 +128,12 @@ CHECK = textwrap.dedent("""
     from pathlib import Path
     import numpy as np, torch
     import engram_sglang
-    from engram_sglang import rowformat
-    from engram_sglang.config import EngramConfig
-    from engram_sglang.hashing import EngramLayout
-    from engram_sglang.ops import native
-    from engram_sglang.stores import open_store, rowio
-    from engram_sglang.tablefile import write_tables
+    from engram_sglang.core import rowformat
+    from engram_sglang.core.config import EngramConfig
+    from engram_sglang.core.hashing import EngramLayout
+    from engram_sglang.core.ops import native
+    from engram_sglang.core.stores import open_store, rowio
+    from engram_sglang.core.tablefile import write_tables
 
     cfg = EngramConfig(layer_ids=(1, 3), max_ngram_size=4, n_heads=4, head_dim=256, vocab_size=1000,
                        compressed_vocab_size=400, pad_token_id=2, hidden_size=64)

@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import EngramError
-from ..patching import wrap_method
-from ..rowformat import ROW_VALUES
+from ..core.errors import EngramError
+from ..plugin.targets import wrap_method
+from ..core.rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _breakable_graph_probe():
     replayed); one line naming the module where this SGLang lacks it."""
     import importlib
 
-    from ..patching import SGLANG_TESTED, sglang_version
+    from ..plugin.targets import SGLANG_TESTED, sglang_version
 
     try:
         return importlib.import_module(_BREAKABLE_GRAPH).is_in_breakable_cuda_graph
@@ -150,12 +150,12 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
     """This process's EngramRuntime for DeepSeek-V4.1's tables (opened on the first Engram
     layer, shared by the others), or None when no table directory is configured and
     MODEL_PATH/engram_tables is absent."""
-    from ..config import EngramConfig
+    from ..core.config import EngramConfig
     from ..serving.graphs import check_capturable
     from ..serving.modes import modes_in_use
     from ..serving.runtime import EngramRuntime, active_runtimes
     from ..serving.settings import ServeSettings
-    from ..tablefile import open_tables
+    from ..core.tablefile import open_tables
 
     settings = settings or ServeSettings.from_env()
     if settings.table_dir:
@@ -211,7 +211,7 @@ def rank_rows(settings, parallel) -> tuple[int, int]:
     reassemble rows: every rank opens the tables whole (tp_size 1: no collective, whatever
     the other ranks hold) where the placement table says its options give whole rows (the
     node's shared host copy), or the start is refused."""
-    from ..placement_table import WHOLE, placement
+    from ..core.placement_table import WHOLE, placement
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return parallel.tp_rank, parallel.tp_size

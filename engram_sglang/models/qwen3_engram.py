@@ -1,7 +1,7 @@
 """SGLang model class of the Qwen3 + Engram family: architecture `Qwen3EngramForCausalLM`.
 
 A Qwen3 decoder (SGLang's own attention, MLP, norms, paged KV cache) with the paper-form
-Engram layer (engram_sglang.layer) added to the residual stream before the attention of
+Engram layer (engram_sglang.models.layer) added to the residual stream before the attention of
 each layer in `engram_layer_ids`. Weights load from safetensors (Hugging Face Qwen3 names
 plus `model.layers.{L}.engram.*`); tables come from the packed table directory through a
 TableStore in the configured placement (`--engram-placement`, `--engram-table-dir`).
@@ -35,9 +35,9 @@ from sglang.srt.models.qwen3 import Qwen3Attention
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
 
-from ..config import EngramConfig
-from ..errors import EngramError
-from ..layer import EngramLayer
+from ..core.config import EngramConfig
+from ..core.errors import EngramError
+from .layer import EngramLayer
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def _build_runtime(cfg: EngramConfig, settings):
     """Open the tables and the hasher; configuration errors surface here, as one line."""
     from sglang.srt.runtime_context import get_model, get_serving
 
-    from ..hashing import NgramHasher
+    from ..core.hashing import NgramHasher
     from ..serving.graphs import check_capturable
     from ..serving.modes import modes_in_use
     from ..serving.runtime import EngramRuntime, resolve_table_dir

@@ -4,7 +4,7 @@ Independent of SGLang's serving machinery: no paged KV cache, no batching, no pe
 history. Each greedy step recomputes the whole sequence, hashes it in one shot
 (`NgramHasher.hash_sequence`), reads rows straight from the table files and decodes them
 with `rowformat.dequantize` (the codec's reference), then runs a textbook Qwen3 decoder
-with the Engram layer (engram_sglang.layer) added to the residual stream before the
+with the Engram layer (engram_sglang.models.layer) added to the residual stream before the
 attention of each Engram layer. Weight names are Hugging Face Qwen3's plus
 `model.layers.{L}.engram.*`.
 
@@ -24,11 +24,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import EngramConfig
-from ..hashing import NgramHasher, compressed_token_map
-from ..layer import EngramLayer, rms_norm
-from ..rowformat import dequantize, row_checksums
-from ..tablefile import open_tables
+from ..core.config import EngramConfig
+from ..core.hashing import NgramHasher, compressed_token_map
+from .layer import EngramLayer, rms_norm
+from ..core.rowformat import dequantize, row_checksums
+from ..core.tablefile import open_tables
 
 
 @dataclasses.dataclass

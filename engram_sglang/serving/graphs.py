@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 from typing import Iterable, Optional, Sequence
 
-from ..errors import EngramConfigError, EngramError
-from ..placement_table import placement as placement_spec
+from ..core.errors import EngramConfigError, EngramError
+from ..core.placement_table import placement as placement_spec
 
 PHASES = ("decode", "prefill")
 DISABLED = "disabled"

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from sglang.srt.layers.engram import EngramHasher
 
-from ..errors import EngramError
-from ..hashing import newest_history
+from ..core.errors import EngramError
+from ..core.hashing import newest_history
 
 
 class StepHasher(EngramHasher):

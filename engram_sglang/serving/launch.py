@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import EngramError
+from ..core.errors import EngramError
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
 

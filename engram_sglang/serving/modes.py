@@ -234,7 +234,7 @@ def patch_tokenizer_manager(module) -> None:
     """Wrap `TokenizerManager._create_tokenized_object` (where SGLang checks a request's
     sampling params; a ValueError there is HTTP 400): check the request's mode and key its
     cached prefixes by it."""
-    from ..patching import wrap_method
+    from ..plugin.targets import wrap_method
 
     settings = []  # read once, on the first request (the flags are exported by then)
 
@@ -252,7 +252,7 @@ def patch_tokenizer_manager(module) -> None:
 def patch_scheduler(module) -> None:
     """Wrap `Scheduler.run_batch`: record the batch's intervals per request slot before the
     batch runs (its forward asks for them)."""
-    from ..patching import wrap_method
+    from ..plugin.targets import wrap_method
 
     settings = []  # read on the first batch, in the scheduler's process
 

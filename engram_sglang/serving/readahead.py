@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from ..patching import wrap_method
+from ..plugin.targets import wrap_method
 
 logger = logging.getLogger(__name__)
 _failed_once = False

@@ -23,11 +23,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..config import EngramConfig
-from ..errors import EngramError
-from ..rowformat import row_checksums
-from ..stores import maintenance
-from ..stores.base import TableIOError
+from ..core.config import EngramConfig
+from ..core.errors import EngramError
+from ..core.rowformat import row_checksums
+from ..core.stores import maintenance
+from ..core.stores.base import TableIOError
 from .modes import SLOTS
 from .ranks import rank_labels, stats_path
 from .settings import ServeSettings
@@ -129,7 +129,7 @@ class EngramRuntime:
 
     def __init__(self, cfg: EngramConfig, hasher, settings: ServeSettings, table_dir: Path, device: torch.device,
                  tp_rank: int = 0, tp_size: int = 1, *, step_hasher=None):
-        from ..stores import open_store
+        from ..core.stores import open_store
         from .whole_rows_auto import resolve
 
         # --engram-host-whole-rows auto: the planner's pick for this TP size and GPU (logged).

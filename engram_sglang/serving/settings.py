@@ -13,9 +13,9 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-from ..placement_table import PLACEMENT_TABLE, PLACEMENTS
-from ..placement_table import placement as placement_spec
-from ..errors import EngramConfigError
+from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
+from ..core.placement_table import placement as placement_spec
+from ..core.errors import EngramConfigError
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
 

@@ -33,10 +33,10 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..errors import EngramError
-from ..rowformat import ROW_VALUES
-from ..stores import maintenance
-from ..stores.base import Prefetch, TableIOError
+from ..core.errors import EngramError
+from ..core.rowformat import ROW_VALUES
+from ..core.stores import maintenance
+from ..core.stores.base import Prefetch, TableIOError
 
 # (layer id, the layer's ids [T, C], the read's fault) -> the rows to use (the runtime's containment).
 OnFault = Callable[[int, torch.Tensor, TableIOError], torch.Tensor]

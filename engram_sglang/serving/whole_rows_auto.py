@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from ..hashing import EngramLayout
-from ..placement_table import placement as placement_spec
-from ..rowformat import ROW_BYTES
+from ..core.hashing import EngramLayout
+from ..core.placement_table import placement as placement_spec
+from ..core.rowformat import ROW_BYTES
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0
     a hot-row cache of `cache_share` of each layer's rows per GPU at each layout's hit rate.
     Whole rows wherever there is nothing to weigh (TP 1, no GPU, a GPU the file lacks): the
     behaviour before `auto`, and the one layout attention data parallelism can serve."""
-    from ..planning.data import load_gpus
-    from ..planning.model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
-    from ..planning.whole_rows import compare, layout_hit_rates, sku_for_device
+    from ..core.planning.data import load_gpus
+    from ..core.planning.model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
+    from ..core.planning.whole_rows import compare, layout_hit_rates, sku_for_device
 
     if tp <= 1:
         return True, "TP 1: one rank holds every row"

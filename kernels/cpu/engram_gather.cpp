@@ -1,6 +1,6 @@
 // Host build of the Engram gather: kernels/common/engram_gather.h's row decode, run on the
 // CPU cores. Used for CPU serving and by the disk tier's staging; torch-free, loaded with
-// ctypes (engram_sglang/ops/native.py).
+// ctypes (engram_sglang/core/ops/native.py).
 //
 // Built without -ffast-math (which would link crtfastmath and turn flush-to-zero on for the
 // whole process) and without -march: ISA variants come from target_clones, picked by the

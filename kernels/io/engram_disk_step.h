@@ -1,7 +1,7 @@
 // engram_disk_step.h: the disk tier's step in one native call per layer (included by
 // engram_rowio.cpp, whose row reads it uses).
 //
-// One call takes a step's row ids and buffers and does what engram_sglang/stores/disk.py does
+// One call takes a step's row ids and buffers and does what engram_sglang/core/stores/disk.py does
 // per call in numpy: dedupe the ids (sorted, this shard's only), look them up in the DRAM row
 // cache, copy the hits, read the misses (mapping, O_DIRECT by io_uring or native AIO, or pread,
 // as the store reads; O_DIRECT reads are issued first and the rest runs while they fly),

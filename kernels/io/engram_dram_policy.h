@@ -1,4 +1,4 @@
-// engram_dram_policy.h: the DRAM row cache's policy (engram_sglang/stores/dram_cache.py), ported
+// engram_dram_policy.h: the DRAM row cache's policy (engram_sglang/core/stores/dram_cache.py), ported
 // to run inside the disk tier's native step.
 //
 // The state is DramRowCache's own numpy arrays (rows, tags, last use, counts, the count-min

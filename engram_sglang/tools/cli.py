@@ -1,0 +1,165 @@
+"""`engram-sglang`: the operators' tools (tables convert/verify/inspect, demo, ...).
+
+Every command turns an EngramError into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from ..core.errors import EngramError
+
+
+def _cmd_convert(args) -> int:
+    from ..core.config import EngramConfig
+    from ..core.tablefile import convert_checkpoint, inspect_tables
+
+    cfg = EngramConfig.resolve(args.config) if args.config else None
+    out = convert_checkpoint(args.checkpoint, args.out_dir, cfg)
+    print(inspect_tables(out))
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from ..core.config import EngramConfig
+    from ..core.tablefile import verify_tables
+
+    cfg = EngramConfig.resolve(args.config) if args.config else None
+    done = verify_tables(args.table_dir, cfg)
+    print(f"{args.table_dir}: OK ({', '.join(f'layer {L}: {n:,} rows' for L, n in sorted(done.items()))})")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from ..core.tablefile import inspect_tables
+
+    print(inspect_tables(args.table_dir))
+    return 0
+
+
+def _shm_dir(args):
+    from pathlib import Path
+
+    d = Path(args.shm_dir)
+    if not d.is_dir():
+        raise EngramError(f"{d}: no such directory (give the --shm-dir the servers use, ENGRAM_SHM_DIR)")
+    return d
+
+
+def _cmd_shm_ls(args) -> int:
+    from ..core.stores.shmadmin import list_copies
+
+    d = _shm_dir(args)
+    entries = list_copies(d)
+    if not entries:
+        print(f"{d}: no engram-sglang shared copies")
+        return 0
+    print(f"{'name':<56} {'GiB':>9} {'layer':>5} {'numa':<10} {'identity':<16}  holders")
+    for e in entries:
+        if "filler" in e:
+            who = f"leftover of a fill (process {e['filler']} {'alive' if e['filler_alive'] else 'gone'})"
+        elif e["holders"] is None:
+            who = "unknown (/proc/locks unreadable)"
+        else:
+            who = f"{len(e['holders'])} alive" + (f" (pids {', '.join(map(str, e['holders']))})" if e["holders"] else "")
+        print(f"{e['name']:<56} {e['bytes'] / 2**30:9.3f} {e['layer']:>5} {e['numa']:<10} {e['identity']:<16}  {who}")
+    return 0
+
+
+def _cmd_shm_rm(args) -> int:
+    from ..core.stores.shmadmin import remove_copy
+
+    d = _shm_dir(args)
+    for name in args.names:
+        freed = remove_copy(d, name, force=args.force)
+        print(f"removed {d / name} ({freed / 2**30:.3f} GiB)")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo.run import run_demo
+
+    return run_demo(args.workdir, placements=args.placements)
+
+
+def _demo_placements(text: str) -> tuple[str, ...]:
+    from ..core.placement_table import PLACEMENTS
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in PLACEMENTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"placements are {', '.join(PLACEMENTS)} (comma-separated), got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engram-sglang", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tables = sub.add_parser("tables", help="packed table files").add_subparsers(dest="tables_command", required=True)
+    p = tables.add_parser("convert", help="pack a safetensors checkpoint's Engram tables into a table directory")
+    p.add_argument("checkpoint", help="checkpoint directory (safetensors shards + config.json)")
+    p.add_argument("out_dir", help="table directory to write")
+    p.add_argument("--config", help="preset name or config.json to use instead of CHECKPOINT/config.json")
+    p.set_defaults(func=_cmd_convert)
+    p = tables.add_parser("verify", help="check sizes, config and every chunk checksum of a table directory")
+    p.add_argument("table_dir")
+    p.add_argument("--config", help="also require the tables to be built for this preset / config.json / model dir")
+    p.set_defaults(func=_cmd_verify)
+    p = tables.add_parser("inspect", help="summarize a table directory")
+    p.add_argument("table_dir")
+    p.set_defaults(func=_cmd_inspect)
+
+    shm = sub.add_parser("shm", help="the node's shared host copies of tables (/dev/shm)").add_subparsers(
+        dest="shm_command", required=True)
+    shm_dir = os.environ.get("ENGRAM_SHM_DIR") or "/dev/shm"
+    p = shm.add_parser("ls", help="list shared copies: size, layer, content identity, servers holding them")
+    p.add_argument("--shm-dir", default=shm_dir, help=f"where the copies live (default: ENGRAM_SHM_DIR or /dev/shm: {shm_dir})")
+    p.set_defaults(func=_cmd_shm_ls)
+    p = shm.add_parser("rm", help="remove shared copies (refused for one a running server holds, unless --force)")
+    p.add_argument("names", nargs="+", metavar="NAME", help="a name `shm ls` lists")
+    p.add_argument("--shm-dir", default=shm_dir, help=f"where the copies live (default: {shm_dir})")
+    p.add_argument("--force", action="store_true", help="remove it even while servers hold it (they keep their "
+                   "mapping; the memory is freed when the last exits)")
+    p.set_defaults(func=_cmd_shm_rm)
+
+    p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
+    p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")
+    p.add_argument("--placements", default="disk,host,device", type=_demo_placements,
+                   help="comma-separated placements to serve the demo model's tables from, one server each, "
+                        "the first one compared with Engram off (default: disk,host,device)")
+    p.set_defaults(func=_cmd_demo)
+
+    from .demo.model import add_parser as add_demo_model_parser
+
+    add_demo_model_parser(sub)
+
+    from . import planner
+
+    planner.add_parser(sub)
+
+    from . import profiling
+
+    profiling.add_parser(sub)
+
+    from .analysis import ablate, scan
+
+    ablate.add_parser(sub)
+    scan.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngramError as e:
+        print(f"engram-sglang: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

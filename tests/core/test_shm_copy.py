@@ -1,0 +1,235 @@
+"""The node's shared host copy (issue 12 item 6): named by content, checked before it is
+served, never through a symlink, read-only, leftovers reclaimed, freed by the last server.
+
+Written against open_store and the files in the shm directory (found by glob), so each test
+also runs, and fails, on the code from before stores/shmcopy.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.tables import small_config
+from engram_sglang.core.errors import EngramError
+from engram_sglang.core.hashing import EngramLayout
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores import open_store
+from engram_sglang.core.tablefile import write_tables
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = small_config(200, layer_ids=(1,), n_heads=2)
+ROWS = EngramLayout(CFG).rows(1)
+
+
+def _rows(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """Two table directories of the same config with different rows."""
+    base = tmp_path_factory.mktemp("tables")
+    a, b = _rows(1), _rows(2)
+    return (write_tables(base / "a", CFG, {1: a}, chunk_rows=64, progress=False), a,
+            write_tables(base / "b", CFG, {1: b}, chunk_rows=64, progress=False), b)
+
+
+def _open(table_dir, shm, **kw):
+    return open_store(table_dir, "host", cfg=CFG, shared=True, shm_dir=shm, **kw)[1]
+
+
+def _copies(shm: Path) -> list[Path]:
+    return sorted(shm.glob("engram-*-layer1.rows"))
+
+
+def _served(store) -> np.ndarray:
+    return store.table.numpy().copy()
+
+
+def test_a_copy_of_other_tables_of_the_same_config_is_never_served(tables, tmp_path):
+    dir_a, rows_a, dir_b, rows_b = tables
+    a = _open(dir_a, tmp_path)
+    b = _open(dir_b, tmp_path)  # while a holds its copy
+    assert np.array_equal(_served(a), rows_a)
+    assert np.array_equal(_served(b), rows_b), "served the copy made from the other tables"
+    assert len(_copies(tmp_path)) == 2 and a.memory.shm_path != b.memory.shm_path
+    a.close()
+    b.close()
+
+
+def test_a_flipped_byte_in_a_copy_left_by_a_killed_server_is_refilled_not_served(tables, tmp_path, caplog):
+    dir_a, rows_a, _, _ = tables
+    _left_behind(dir_a, tmp_path)
+    (copy,) = _copies(tmp_path)
+    with open(copy, "r+b") as f:  # one bit of row 100, in checksum chunk 1
+        f.seek(100 * ROW_BYTES + 7)
+        byte = f.read(1)[0]
+        f.seek(100 * ROW_BYTES + 7)
+        f.write(bytes([byte ^ 0x10]))
+    with caplog.at_level(logging.WARNING):
+        b = _open(dir_a, tmp_path)
+    assert np.array_equal(_served(b), rows_a), "served the corrupted copy"
+    assert "does not match the table's manifest (chunk 1" in caplog.text
+    b.close()
+
+
+def test_the_copy_is_mapped_read_only(tables, tmp_path):
+    dir_a, _, _, _ = tables
+    store = _open(dir_a, tmp_path)
+    (copy,) = _copies(tmp_path)
+    perms = [ln.split()[1] for ln in Path("/proc/self/maps").read_text().splitlines() if ln.endswith(str(copy))]
+    assert perms and all(p == "r--s" for p in perms), perms
+    store.close()
+
+
+@pytest.mark.parametrize("suffix", ["", ".lock"])
+def test_a_symlink_at_the_copy_or_lock_name_is_refused(tables, tmp_path, suffix):
+    dir_a, rows_a, _, _ = tables
+    shm, elsewhere = tmp_path / "shm", tmp_path / "elsewhere"
+    shm.mkdir()
+    elsewhere.mkdir()
+    _left_behind(dir_a, shm)  # learn the names, then leave only a link behind
+    (copy,) = _copies(shm)
+    name = copy.name + suffix
+    for p in shm.iterdir():
+        p.unlink()
+    target = elsewhere / "target"
+    if suffix == "":  # a table someone else's link points at: must not be mapped
+        target.write_bytes(rows_a.tobytes())
+        os.chmod(target, 0o600)
+    (shm / name).symlink_to(target)
+    with pytest.raises(EngramError, match=f"{name}: is a symbolic link, not a shared table file; refusing to follow"):
+        _open(dir_a, shm)
+    assert (shm / name).is_symlink()
+    if suffix == ".lock":
+        assert not target.exists(), "created a file where the link points"
+
+
+def test_a_crashed_fillers_leftover_is_reclaimed(tables, tmp_path):
+    dir_a, rows_a, _, _ = tables
+    _left_behind(dir_a, tmp_path)
+    (copy,) = _copies(tmp_path)
+    copy.unlink()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    leftovers = [Path(f"{copy}.tmp.{pid}"), tmp_path / f"engram-0123456789abcdef-layer1.rows.tmp.{pid}"]
+    for p in leftovers:
+        with open(p, "wb") as f:
+            f.truncate(ROWS * ROW_BYTES)
+        os.chmod(p, 0o600)
+    from engram_sglang.core.stores.shmadmin import list_copies
+
+    # `shm ls` lists them, by the same directory scan the reclaim walks (shmcopy.scan).
+    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path)}
+    assert listed == {p.name: (pid, False, 1) for p in leftovers}
+    store = _open(dir_a, tmp_path)
+    assert np.array_equal(_served(store), rows_a)
+    assert not any(p.exists() for p in leftovers)
+    store.close()
+
+
+HOLDER = """
+    import sys
+    from tests.support.tables import small_config
+    from engram_sglang.core.stores import open_store
+    cfg = small_config(200, layer_ids=(1,), n_heads=2)
+    store = open_store({table_dir!r}, "host", cfg=cfg, shared=True, shm_dir={shm!r})[1]
+    print("holding", flush=True)
+    sys.stdin.readline()
+    store.close()
+    print("closed", flush=True)
+"""
+
+
+def _holder(table_dir, shm) -> subprocess.Popen:
+    code = textwrap.dedent(HOLDER).format(table_dir=str(table_dir), shm=str(shm))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_the_last_server_to_leave_removes_the_copy(tables, tmp_path):
+    dir_a, _, _, _ = tables
+    other = _holder(dir_a, tmp_path)  # another server process on the node
+    try:
+        mine = _open(dir_a, tmp_path)
+        mine.close()
+        assert len(_copies(tmp_path)) == 1, "removed while another server holds it"
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "closed"
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    assert _copies(tmp_path) == [] and list(tmp_path.iterdir()) == []
+
+
+def _left_behind(table_dir, shm) -> None:
+    """A copy left by a server that was killed (no close, no exit handlers)."""
+    killed = _holder(table_dir, shm)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+
+
+def test_a_dead_holder_does_not_count(tables, tmp_path):
+    dir_a, _, _, _ = tables
+    _left_behind(dir_a, tmp_path)
+    mine = _open(dir_a, tmp_path)
+    mine.close()
+    assert _copies(tmp_path) == []
+
+
+def test_keep_on_keeps_the_copy(tables, tmp_path):
+    dir_a, rows_a, _, _ = tables
+    store = _open(dir_a, tmp_path, keep=True)
+    store.close()
+    (copy,) = _copies(tmp_path)
+    assert np.array_equal(np.fromfile(copy, dtype=np.uint8).reshape(ROWS, ROW_BYTES), rows_a)
+
+
+def test_filling_reports_progress_and_rate(tables, tmp_path, monkeypatch, caplog):
+    from engram_sglang.core.stores import shmcopy
+
+    dir_a, _, _, _ = tables
+    monkeypatch.setattr(shmcopy, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="engram_sglang.core.stores.shmcopy"):
+        store = _open(dir_a, tmp_path)
+    assert "filling" in caplog.text and "GiB/s" in caplog.text
+    store.close()
+
+
+def test_shm_ls_and_rm(tables, tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    dir_a, _, _, _ = tables
+    store = _open(dir_a, tmp_path)
+    (copy,) = _copies(tmp_path)
+    assert main(["shm", "ls", "--shm-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith(copy.name))
+    assert line.split()[2:] == ["1", "-", copy.name.split("-")[1], "1", "alive", "(pids", f"{os.getpid()})"]  # not NUMA-bound
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), copy.name]) == 2
+    assert "in use by a running server" in capsys.readouterr().err and copy.exists()
+    store.close()  # the last holder removed it
+    store = _open(dir_a, tmp_path, keep=True)
+    store.close()
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), copy.name]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_keep_setting_reaches_the_store_options():
+    from engram_sglang.serving.settings import ServeSettings
+
+    env = {"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "on"}
+    assert ServeSettings.from_env({**env, "ENGRAM_HOST_KEEP": "on"}).store_options()["keep"] is True
+    assert "keep" not in ServeSettings.from_env(env).store_options()  # off: open_store's default

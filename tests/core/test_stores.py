@@ -1,0 +1,293 @@
+"""Every placement returns the reference's bits; shards reassemble; faults stay inside one call."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.tables import small_config
+from tests.support.disk_faults import reads_by_the_store
+from engram_sglang.core import rowformat
+from engram_sglang.core.errors import EngramError
+from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.core.stores import TableIOError, open_store, shard_range
+from engram_sglang.core.stores import hostmem, rowio
+from engram_sglang.core.tablefile import layer_file_name, write_tables
+from engram_sglang.core.hashing import EngramLayout
+
+# The stores decode through the gather op; until its module exists there is nothing to test.
+pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
+
+CFG = small_config(400)
+LAYOUT = EngramLayout(CFG)
+
+# (placement, options): every way a table can be served here.
+PLACEMENTS = [
+    ("device", {}),
+    ("host", {}),
+    ("host", {"shared": True}),
+    ("disk", {}),
+    ("disk", {"direct": True, "threads": 8}),
+    ("disk", {"threads": 1}),
+    # A DRAM row cache of ~240 rows in front: every call evicts, so slot mix-ups would show.
+    ("disk", {"dram_cache_bytes": 64 << 10, "direct": True, "threads": 8}),
+]
+
+
+def edge_rows(gen: torch.Generator, n: int) -> np.ndarray:
+    """Random rows whose first 256 rows hold every fp8 code against every scale byte."""
+    rows = torch.randint(0, 256, (n, ROW_BYTES), dtype=torch.uint8, generator=gen)
+    for r in range(256):
+        rows[r, :256] = torch.arange(256, dtype=torch.uint8).roll(r)
+        rows[r, 256:] = r
+    return rows.numpy()
+
+
+@pytest.fixture(scope="module")
+def table_dir(tmp_path_factory):
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    tables = {L: edge_rows(gen, LAYOUT.rows(L)) for L in CFG.layer_ids}
+    out = write_tables(tmp_path_factory.mktemp("tables") / "t", CFG, tables, progress=False)
+    return out, tables
+
+
+def reference(rows: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
+    return rowformat.dequantize(torch.from_numpy(rows[ids.reshape(-1).long().numpy()])).view(*ids.shape, 256)
+
+
+def random_ids(gen, rows: int, shape, dtype=torch.int64) -> torch.Tensor:
+    ids = torch.randint(0, rows, shape, generator=gen, dtype=torch.int64)
+    flat = ids.view(-1)
+    edges = torch.tensor([0, rows - 1, 255])  # first, last, and an all-codes row
+    flat[:3] = edges[: flat.numel()]
+    if flat.numel() >= 17:
+        flat[3:10] = flat[10:17]  # duplicates, as real batches have
+    return ids.to(dtype)
+
+
+def open_placement(table_dir, placement, options, tmp_path, **kw):
+    options = dict(options)
+    if options.get("shared"):
+        options["shm_dir"] = tmp_path  # a private directory instead of the node's /dev/shm
+    return open_store(table_dir, placement, cfg=CFG, **kw, **options)
+
+
+@pytest.mark.parametrize("placement,options", PLACEMENTS, ids=lambda p: str(p))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_every_placement_is_bit_exact(table_dir, tmp_path, rng, placement, options, dtype):
+    root, tables = table_dir
+    stores = open_placement(root, placement, options, tmp_path)
+    try:
+        for L, store in stores.items():
+            for shape in [(1,), (7, 24), (256, 24)]:
+                ids = random_ids(rng, LAYOUT.rows(L), shape, dtype)
+                got = store.gather(ids)
+                assert got.dtype == torch.bfloat16 and got.shape == (*shape, 256)
+                assert torch.equal(bf16_bits(got), bf16_bits(reference(tables[L], ids)))
+                assert torch.equal(bf16_bits(store.prefetch(ids).wait()), bf16_bits(got))
+            out = torch.empty(5, 256, dtype=torch.bfloat16)
+            ids = random_ids(rng, LAYOUT.rows(L), (5,), dtype)
+            assert store.gather(ids, out=out) is out
+            assert torch.equal(bf16_bits(out), bf16_bits(reference(tables[L], ids)))
+            s = store.stats()
+            assert s["placement"] == placement and s["rows_served"] > 0 and s["calls"] > 0
+            assert store.describe().startswith(f"engram layer {L}: placement {placement}")
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+@pytest.mark.parametrize("placement,options", PLACEMENTS[:4] + PLACEMENTS[4:5], ids=lambda p: str(p))
+@pytest.mark.parametrize("tp_size", [2, 3, 4])
+def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, options, tp_size):
+    """Rank r holds rows [lo, hi); other ids read +0.0, so the sum over ranks is exact."""
+    root, tables = table_dir
+    L = CFG.layer_ids[0]
+    ids = random_ids(rng, LAYOUT.rows(L), (64, 24))
+    parts = []
+    for rank in range(tp_size):
+        store = open_placement(root, placement, options, tmp_path, tp_rank=rank, tp_size=tp_size)[L]
+        assert store.row_range == shard_range(LAYOUT.rows(L), rank, tp_size)
+        lo, hi = store.row_range
+        part = store.gather(ids)
+        outside = (ids < lo) | (ids >= hi)
+        assert (part.view(torch.int16)[outside] == 0).all()  # +0.0 exactly, not -0.0
+        parts.append(part)
+        store.close()
+    total = torch.stack(parts).view(torch.int16).sum(0).to(torch.int16)  # integer bits: exact
+    assert torch.equal(bf16_bits(total.view(torch.bfloat16)), bf16_bits(reference(tables[L], ids)))
+    bf16_sum = torch.stack(parts).float().sum(0).to(torch.bfloat16)  # what an all-reduce computes
+    assert torch.equal(bf16_bits(bf16_sum), bf16_bits(reference(tables[L], ids)))
+
+
+def test_shard_ranges_cover_every_row_once():
+    for rows in (1, 7, 12458, 384006168):
+        for tp in (1, 2, 3, 4, 8):
+            ranges = [shard_range(rows, r, tp) for r in range(tp)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(EngramError, match="rank 4 is not in \\[0, 4\\)"):
+        shard_range(10, 4, 4)
+
+
+def test_out_of_range_ids_raise_with_the_layer(table_dir, tmp_path):
+    root, _ = table_dir
+    store = open_store(root, "device", cfg=CFG)[1]
+    rows = LAYOUT.rows(1)
+    with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
+        store.gather(torch.tensor([0, rows]))
+    with pytest.raises(EngramError, match="row id -1 is outside"):
+        store.gather(torch.tensor([-1]))
+    with pytest.raises(EngramError, match="must be int32 or int64"):
+        store.gather(torch.tensor([1.0]))
+
+
+def test_bad_placement_and_options(table_dir):
+    root, _ = table_dir
+    with pytest.raises(EngramError, match="unknown placement 'ssd'; choose one of device, host, disk"):
+        open_store(root, "ssd")
+    with pytest.raises(EngramError, match="placement device has no option\\(s\\) threads"):
+        open_store(root, "device", threads=4)
+
+
+# ----------------------------------------------------------------- disk faults
+def test_disk_dedupes_and_counts(table_dir):
+    root, tables = table_dir
+    store = open_store(root, "disk", cfg=CFG)[3]
+    ids = torch.tensor([[5, 5, 9], [9, 5, 12]])
+    assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[3], ids)))
+    s = store.stats()
+    assert s["rows_served"] == 6 and s["unique_rows"] == 3 and s["unique_ratio"] == 0.5
+    assert s["reads"] == 1 and 0 < s["read_ms_p50"] <= s["read_ms_p99"]
+
+
+def test_io_errors_are_retried_then_fail_that_call_only(table_dir, monkeypatch, caplog, rng):
+    root, tables = table_dir
+    store = open_store(root, "disk", cfg=CFG, retries=2)[1]
+    ids = random_ids(rng, LAYOUT.rows(1), (16, 24))
+    real_pread = rowio.pread_rows
+    failures = {"left": 2}
+
+    def flaky_pread(*args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            return errno.EIO, 0
+        return real_pread(*args, **kwargs)
+
+    # Injected at the read layer: the mapped copy reports a fault, pread fails twice.
+    monkeypatch.setattr(rowio, "copy_mapped", lambda *a, **k: 0)
+    monkeypatch.setattr(rowio, "pread_rows", flaky_pread)
+    reads_by_the_store(monkeypatch)  # the native step hands its reads to the store's reader
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
+    assert caplog.text.count("Input/output error") == 2
+    failures["left"] = 10
+    with pytest.raises(TableIOError, match=r"layer-1.rows: reading \d+ of \d+ rows \(first: row \d+\) failed after 3 tries: Input/output error"):
+        store.gather(ids)
+    monkeypatch.undo()
+    # The store keeps serving the next call.
+    assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
+
+
+def test_file_truncated_under_an_open_store(tmp_path, rng):
+    tables = {L: edge_rows(rng, LAYOUT.rows(L)) for L in CFG.layer_ids}
+    root = write_tables(tmp_path / "t", CFG, tables, progress=False)
+    store = open_store(root, "disk", cfg=CFG)[1]
+    path = root / layer_file_name(1)
+    keep = 1000
+    os.truncate(path, 4096 + keep * ROW_BYTES)
+    with pytest.raises(TableIOError, match=r"row \d+ lies past the end of the file .* truncated or replaced under the open store"):
+        store.gather(torch.tensor([3, keep + 5]))
+    ids = torch.tensor([0, 3, keep - 1])
+    assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
+
+
+def test_sigbus_from_a_truncated_mapping_is_an_error_not_a_crash(tmp_path):
+    """The mapped copy itself (below the size check): a page past EOF raises SIGBUS, which
+    the native guard must turn into a failed index. In a subprocess: a bug here kills it."""
+    script = textwrap.dedent(
+        f"""
+        import faulthandler, mmap, os, numpy as np
+        faulthandler.enable()  # installed before our guard, as pytest and SGLang do
+        from engram_sglang.core.stores import rowio
+        path = {str(tmp_path / 'f.rows')!r}
+        with open(path, 'wb') as f:
+            f.write(bytes(range(256)) * 64 * 1024)  # 16 MiB
+        fd = os.open(path, os.O_RDONLY)
+        m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        os.truncate(path, 4096 * 10)
+        rows = np.array([1, 2, 5000, 3], dtype=np.int64)
+        out = np.zeros((4, 264), dtype=np.uint8)
+        print('failed', rowio.copy_mapped(base, rows, out, 4))
+        ok = np.array([1, 2], dtype=np.int64)
+        print('ok', rowio.copy_mapped(base, ok, out[:2], 4), bytes(out[0, :4]) == bytes(np.frombuffer(m, np.uint8)[264:268]))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "failed 2" in proc.stdout and "ok -1 True" in proc.stdout
+
+
+# ------------------------------------------------------------------ host memory
+def test_shared_host_table_is_one_private_file(table_dir, tmp_path, rng):
+    root, tables = table_dir
+    a = open_store(root, "host", cfg=CFG, shared=True, shm_dir=tmp_path)[1]
+    files = sorted(tmp_path.glob("engram-*-layer1.rows"))
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    mtime = files[0].stat().st_mtime_ns
+    b = open_store(root, "host", cfg=CFG, shared=True, shm_dir=tmp_path)[1]
+    assert files[0].stat().st_mtime_ns == mtime  # mapped, not filled again
+    ids = random_ids(rng, LAYOUT.rows(1), (32, 24))
+    assert torch.equal(bf16_bits(a.gather(ids)), bf16_bits(b.gather(ids)))
+    assert a.stats()["shared"] and "shared" in a.describe()
+    # Refuse a file someone else could have written.
+    os.chmod(files[0], 0o644)
+    with pytest.raises(EngramError, match="mode 0o644 lets other users read or write it; refusing"):
+        open_store(root, "host", cfg=CFG, shared=True, shm_dir=tmp_path)
+    os.chmod(files[0], 0o600)
+    if os.geteuid() == 0:
+        os.chown(files[0], 12345, -1)
+        with pytest.raises(EngramError, match="owned by uid 12345, not by this process"):
+            open_store(root, "host", cfg=CFG, shared=True, shm_dir=tmp_path)
+
+
+def test_small_shm_falls_back_to_private_copies_with_a_clear_line(table_dir, tmp_path, monkeypatch, caplog):
+    root, _ = table_dir
+    # Docker's default /dev/shm is 64 MiB; pretend this one has 1 MiB free.
+    monkeypatch.setattr(hostmem, "shm_free_bytes", lambda d: 1 << 20)
+    with caplog.at_level(logging.WARNING):
+        store = open_store(root, "host", cfg=CFG, shared=True, shm_dir=tmp_path)[1]
+    assert "has 0.00 GiB free but the shared table needs" in caplog.text and "--shm-size" in caplog.text
+    assert not store.stats()["shared"] and not list(tmp_path.glob("engram-*"))
+
+
+def test_host_table_reports_huge_pages_from_smaps(table_dir):
+    root, _ = table_dir
+    store = open_store(root, "host", cfg=CFG)[1]
+    report = store.memory.huge_pages_report()
+    assert report.mapped_kib * 1024 >= store.resident_bytes  # the mapping was found and is resident
+    assert 0.0 <= report.coverage <= 1.0
+    assert f"huge pages {report.coverage:.0%}" in store.describe()
+
+
+def test_open_store_puts_a_hot_row_cache_in_front(table_dir, rng):
+    root, tables = table_dir
+    stores = open_store(root, "disk", cfg=CFG, cache_bytes=4 << 20)
+    ids = random_ids(rng, LAYOUT.rows(1), (64, 24))
+    for _ in range(3):  # misses, then admitted rows served from the cache
+        got = stores[1].gather(ids)
+        stores[1].maintain()
+    assert torch.equal(bf16_bits(got), bf16_bits(reference(tables[1], ids)))
+    assert stores[1].stats()["cache_hit_rate"] > 0
+    with pytest.raises(EngramError, match="placement device already holds the table"):
+        open_store(root, "device", cfg=CFG, cache_bytes=1 << 20)

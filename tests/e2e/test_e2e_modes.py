@@ -1,0 +1,196 @@
+"""End to end on CPU: Engram modes per request (serving/modes.py) on real `sglang.launch_server`.
+
+One server with `--engram-ablation on` and the retraction set-up of test_e2e_retraction.py
+(a 192-token KV pool, a first wave decoding when a second arrives): six requests in six
+modes (off, on, prefill, decode, a window, decode) share decode and prefill steps, and
+SGLang retracts some of the second wave, whose modes depend on position (prefill, decode,
+window), and prefills their generated tokens again. Then, on the same server: a prompt
+served with Engram on and again with it off (the prefix cache must not hand the off request
+the on request's KV), and requests with bad modes (HTTP 400, one line).
+
+Checked: every completion equals the reference forward's in its mode (teacher forcing, one
+forward per request with its per-position mask), every traced token's hash ids and row
+checksums equal the reference's (+0.0 rows for tokens with Engram off), a step holds tokens
+of several modes with Engram on and off, and the stores served exactly the rows of the
+tokens with Engram on.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.demo_support import demo_dir, reference
+from engram_sglang.serving.launch import Server, ServerError
+from engram_sglang.serving.modes import mask_for, parse_mode
+from tests.e2e.test_e2e_retraction import (CHUNK, FIRST_LENGTHS, FIRST_NEW, POOL, RETRACT_LINE, SECOND_LENGTHS, SECOND_NEW,
+                                 prompts, trace_lines, trace_records, wait_for_decode)
+
+pytestmark = pytest.mark.slow
+
+FIRST_MODES = ("off", "on")
+SECOND_MODES = ("prefill", "decode", {"mode": "window", "from": 3, "until": 20}, "decode")
+PREFIX_NEW = 6
+
+
+def generate(server: Server, prompt: list[int], new: int, mode=None) -> dict:
+    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": False}
+    if mode is not None:
+        params["custom_params"] = {"engram": mode}
+    return server.post("/generate", {"input_ids": prompt, "sampling_params": params})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    work = tmp_path_factory.mktemp("modes")
+    trace = work / "trace.jsonl"
+    first, second = prompts(FIRST_LENGTHS, 3), prompts(SECOND_LENGTHS, 11)
+    prefix_prompt = prompts((24,), 29)[0]
+    server = Server(demo_dir(), engram={"placement": "device", "trace": str(trace), "ablation": "on"},
+                    max_total_tokens=POOL, log_path=work / "sglang.log",
+                    args=("--schedule-conservativeness", "0.05", "--chunked-prefill-size", str(CHUNK)))
+    out = {"prompts": first + second, "news": [FIRST_NEW] * len(first) + [SECOND_NEW] * len(second),
+           "modes": list(FIRST_MODES + SECOND_MODES), "prefix_prompt": prefix_prompt}
+    with server, ThreadPoolExecutor(len(first) + len(second)) as pool:
+        before = len(trace_lines(trace))  # the /health probe's step
+        waves = [pool.submit(generate, server, p, FIRST_NEW, m) for p, m in zip(first, FIRST_MODES)]
+        out["decoding"] = wait_for_decode(trace, before, len(first))
+        waves += [pool.submit(generate, server, p, SECOND_NEW, m) for p, m in zip(second, SECOND_MODES)]
+        out["outs"] = [w.result() for w in waves]
+        out["wave_steps"] = len(trace_lines(trace))
+        # The same prompt with Engram on twice (the second reuses the first's prefix: the
+        # control), then off: it must not reuse the prefix computed with Engram on.
+        out["prefix"] = [generate(server, prefix_prompt, PREFIX_NEW, m) for m in ("on", "on", "off")]
+        out["bad"] = {}
+        for bad in ("sideways", {"mode": "window"}, {"mode": "window", "from": 5, "until": 2}):
+            try:
+                generate(server, prefix_prompt, 2, bad)
+                out["bad"][json.dumps(bad)] = None
+            except ServerError as e:
+                out["bad"][json.dumps(bad)] = str(e)
+        out["stats"] = server.engram_stats()
+    out["steps"] = trace_lines(trace)
+    out["log"] = (work / "sglang.log").read_text(errors="replace")
+    return out
+
+
+@pytest.fixture(scope="module")
+def checked(served):
+    """Each wave request's reference forward over its whole sequence in its mode (teacher
+    forcing: the model is causal and a token's mode depends only on its position), and every
+    trace record of the waves against it."""
+    ref = reference()
+    seqs = [p + o["output_ids"] for p, o in zip(served["prompts"], served["outs"])]
+    masks = [mask_for(parse_mode(m), len(p), len(s) - 1) for m, p, s in zip(served["modes"], served["prompts"], seqs)]
+    forwards = [ref.forward(s[:-1], m) for s, m in zip(seqs, masks)]
+    greedy = [f.logits[len(p) - 1:].argmax(-1).tolist() for f, p in zip(forwards, served["prompts"])]
+    counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "on_wrong": 0, "unmatched": 0, "reprefilled_by_position": 0}
+    steps = served["steps"][: served["wave_steps"]]
+    slot_request = []  # per step: slot -> request index
+    for rec in trace_records(steps):
+        if rec["tok"] == [0] and rec["pos"] == [0]:
+            continue  # SGLang's /health probe
+        lo, hi = rec["pos"][0], rec["pos"][-1] + 1
+        match = [i for i, s in enumerate(seqs) if s[lo:hi] == rec["tok"]]
+        if len(match) != 1:
+            counts["unmatched"] += 1
+            continue
+        i = match[0]
+        for j, layer in enumerate(ref.engram.layer_ids):
+            counts["ids_wrong"] += sum(a != b for a, b in zip(rec["ids"][str(layer)], forwards[i].hash_ids[lo:hi, j].tolist()))
+            counts["sums_wrong"] += sum(a != b for a, b in zip(rec["sum"][str(layer)], forwards[i].checksums[lo:hi, j].tolist()))
+        counts["tokens"] += hi - lo
+        rec["request"] = i
+        # A prefill over generated tokens of a request whose mode depends on position.
+        extend_end = max((p + 1 for p, m in zip(rec["pos"], rec["mode"]) if m == "extend"), default=0)
+        if extend_end > len(served["prompts"][i]) and served["modes"][i] not in ("on", "off"):
+            counts["reprefilled_by_position"] += extend_end - len(served["prompts"][i])
+    # Each traced token's on/off flag against its request's mask, step by step.
+    mixed = 0
+    for step in steps:
+        kinds = {}
+        for slot, pos, tok, on in zip(step["req"], step["pos"], step["tok"], step["on"]):
+            match = [i for i, s in enumerate(seqs) if pos < len(s) and s[pos] == tok]
+            if len(match) == 1:
+                counts["on_wrong"] += int(bool(on) != masks[match[0]][pos])
+                kinds.setdefault(json.dumps(served["modes"][match[0]]), set()).add(bool(on))
+        flags = set().union(*kinds.values()) if kinds else set()
+        if len(kinds) >= 3 and flags == {True, False}:
+            mixed += 1
+    counts["mixed_steps"] = mixed
+    print(f"modes trace: {counts}")
+    return {"greedy": greedy, "trace": counts, "masks": masks}
+
+
+def test_a_batch_mixes_modes_and_each_request_equals_the_reference_in_its_mode(served, checked):
+    assert served["decoding"], "the first wave never reached decode"
+    for o, new in zip(served["outs"], served["news"]):
+        assert o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == new, o["meta_info"]
+    assert [o["output_ids"] for o in served["outs"]] == checked["greedy"], served["modes"]
+    counts = checked["trace"]
+    assert counts["mixed_steps"] >= 1, "no step held tokens of three modes with Engram on and off"
+    assert counts["on_wrong"] == 0 and counts["unmatched"] == 0 and counts["tokens"] > 200, counts
+    assert counts["ids_wrong"] == 0 and counts["sums_wrong"] == 0, counts
+
+
+def test_the_modes_change_the_completions(served, checked):
+    """The control: the same requests all with Engram on complete differently (the modes
+    are not a no-op on this model)."""
+    ref = reference()
+    seqs = [p + o["output_ids"] for p, o in zip(served["prompts"], served["outs"])]
+    differ = 0
+    for s, p, m in zip(seqs, served["prompts"], served["modes"]):
+        if m == "on":
+            continue
+        on = ref.forward(s[:-1]).logits[len(p) - 1:].argmax(-1).tolist()
+        differ += on != s[len(p):]
+    assert differ >= 3, differ
+
+
+def test_retracted_requests_keep_their_modes(served, checked):
+    """SGLang retracted requests and prefilled their generated tokens again; those tokens
+    kept the mode their position gives (checked token by token above), not the batch kind's."""
+    retracts = sum(int(n) for n in RETRACT_LINE.findall(served["log"]))
+    per_request = [o["meta_info"]["num_retractions"] for o in served["outs"]]
+    assert retracts >= 1 and sum(per_request) == retracts, (per_request, retracts)
+    by_position = [n for n, m in zip(per_request, served["modes"]) if m not in ("on", "off")]
+    assert sum(by_position) >= 1, (per_request, served["modes"])
+    assert checked["trace"]["reprefilled_by_position"] >= 1, checked["trace"]
+
+
+def test_an_off_request_does_not_reuse_a_prefix_computed_with_engram_on(served):
+    ref = reference()
+    prompt = served["prefix_prompt"]
+    on1, on2, off = served["prefix"]
+    assert on2["meta_info"]["cached_tokens"] >= len(prompt) - 1, "the control: an on request reuses the on prefix"
+    assert off["meta_info"]["cached_tokens"] == 0, off["meta_info"]
+    assert on1["output_ids"] == on2["output_ids"] == ref.generate(prompt, PREFIX_NEW)[0]
+    assert off["output_ids"] == ref.generate(prompt, PREFIX_NEW, "off")[0]
+    assert off["output_ids"] != on1["output_ids"]
+
+
+def test_a_bad_mode_gets_http_400_with_one_line(served):
+    for bad, error in served["bad"].items():
+        assert error is not None and "HTTP 400" in error, (bad, error)
+        message = json.loads(error.split(": ", 2)[2])["error"]["message"]
+        assert message.startswith('sampling_params.custom_params["engram"]') and "\n" not in message, message
+
+
+def test_tokens_with_engram_off_read_no_rows(served):
+    """The stores served exactly the rows of the tokens with Engram on (24 per token and
+    layer on this model: every hash column of every order)."""
+    stats = served["stats"]
+    cols = reference().engram.hash_columns
+    assert stats["engram_off_tokens"] > 100, stats
+    on_tokens = stats["tokens"] - stats["engram_off_tokens"]
+    assert all(t["rows_served"] == on_tokens * cols for t in stats["tables"]), (on_tokens, stats["tables"])
+
+
+def test_the_server_said_once_that_cuda_graphs_are_off(served):
+    """(Rides on this server, started with --engram-ablation on and --engram-trace: one
+    notice, the trace's; the modes' own reason is tested in test_modes.py.)"""
+    assert served["log"].count("engram-sglang notice: ") == 1
+    assert served["log"].count("engram-sglang notice: --engram-trace writes each step's ids") == 1
+    assert "'cuda_graph_backend_decode': 'disabled', 'cuda_graph_backend_prefill': 'disabled'" in served["log"]

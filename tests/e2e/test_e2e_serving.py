@@ -1,0 +1,244 @@
+"""End to end on CPU: real `sglang.launch_server` serving the demo model over HTTP.
+
+One server runs at a time (SGLang's scheduler keeps a core busy; two cores are shared):
+each module-scoped fixture starts a server, sends its requests, reads its trace, stops it
+and returns the results; the tests then compare results. Every completion is checked
+against the PyTorch reference forward, and every traced step's hash ids and row
+checksums against the reference's, token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support.demo_support import demo_dir, reference, reference_completion, table_dir, trace_requests
+from engram_sglang.serving.launch import Server, _group_alive, free_port
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = (3, 7, 12, 20, 33, 50, 70, 90)
+NEW_TOKENS = (4, 8, 12, 16)
+N_MIXED = 32
+
+
+def corpus_prompts(n: int, salt: int = 0) -> list[list[int]]:
+    """n prompts of mixed lengths (token ids), cut from offline text at fixed places."""
+    import functools as _functools
+    import json as _json
+
+    tok = reference().tokenizer
+    text = "\n".join(Path(m.__file__).read_text() for m in (_functools, _json, os))
+    ids = tok(text)["input_ids"]
+    return [ids[((i + salt) * 997) % (len(ids) - 100):][: LENGTHS[i % len(LENGTHS)]] for i in range(n)]
+
+
+MIXED = corpus_prompts(N_MIXED)
+MIXED_NEW = [NEW_TOKENS[i % len(NEW_TOKENS)] for i in range(N_MIXED)]
+LONG = [p for p in corpus_prompts(16, salt=101) if len(p) >= 33][:3]
+EXTENDED = [p + q[:9] for p, q in zip(LONG, corpus_prompts(3, salt=7))]
+
+
+def want(prompt: list[int], n: int) -> list[int]:
+    return list(reference_completion(tuple(prompt), n))
+
+
+class Run:
+    """A server's lifetime: start, requests (each recorded with its full token list), trace."""
+
+    def __init__(self, tmp_path_factory, name: str, args=(), **engram):
+        self.work = tmp_path_factory.mktemp(name)
+        self.trace = self.work / "trace.jsonl"
+        engram.setdefault("trace", str(self.trace))
+        self.server = Server(demo_dir(), engram=engram, args=args, max_total_tokens=4096,
+                             log_path=self.work / "sglang.log")
+        self.sent: list[list[int]] = []
+        self.results: dict = {}
+
+    def __enter__(self) -> "Run":
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
+
+    def generate(self, prompt: list[int], n: int) -> dict:
+        out = self.server.generate(prompt, n)
+        self.sent.append(prompt + out["output_ids"])
+        return out
+
+    def complete(self, prompts, news) -> list[list[int]]:
+        return [self.generate(p, n)["output_ids"] for p, n in zip(prompts, news)]
+
+    def check_trace(self) -> dict:
+        """Every traced token against the reference forward of the request it belongs to:
+        counts of tokens checked, wrong hash ids, wrong row checksums, unmatched records."""
+        ref = reference()
+        forwards = {}
+        counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "unmatched": 0}
+        for rec in trace_requests(self.trace):
+            if rec["tok"] == [0] and rec["pos"] == [0]:
+                continue  # SGLang's /health probe
+            lo, hi = rec["pos"][0], rec["pos"][-1] + 1
+            match = next((s for s in self.sent if s[lo:hi] == rec["tok"]), None)
+            if match is None:
+                counts["unmatched"] += 1
+                continue
+            key = tuple(match[:-1])
+            if key not in forwards:
+                forwards[key] = ref.forward(list(key))
+            step = forwards[key]
+            for i, layer in enumerate(ref.engram.layer_ids):
+                counts["ids_wrong"] += sum(a != b for a, b in zip(rec["ids"][str(layer)], step.hash_ids[lo:hi, i].tolist()))
+                counts["sums_wrong"] += sum(a != b for a, b in zip(rec["sum"][str(layer)], step.checksums[lo:hi, i].tolist()))
+            counts["tokens"] += hi - lo
+        return counts
+
+    def steps(self) -> list[dict]:
+        return [json.loads(line) for line in self.trace.read_text().splitlines()]
+
+
+def prefix_runs(run: Run) -> dict:
+    """Long prompts, then prompts extending them (radix-cache hits: prefill starts mid-sequence)."""
+    first = [run.generate(p, 12) for p in LONG]
+    second = [run.generate(p, 12) for p in EXTENDED]
+    return {"long": [o["output_ids"] for o in first], "extended": [o["output_ids"] for o in second],
+            "cached": [o["meta_info"]["cached_tokens"] for o in second]}
+
+
+# ------------------------------------------------------------------ server runs
+@pytest.fixture(scope="module")
+def device_run(tmp_path_factory):
+    with Run(tmp_path_factory, "device", placement="device") as run:
+        with ThreadPoolExecutor(N_MIXED) as pool:
+            run.results["concurrent"] = [o["output_ids"] for o in pool.map(lambda a: run.generate(*a), zip(MIXED, MIXED_NEW))]
+        run.results["prefix"] = prefix_runs(run)
+        run.results["stats"] = run.server.engram_stats()
+    run.results["trace"] = run.check_trace()
+    run.results["widest_step"] = max(len(set(s["req"])) for s in run.steps())
+    return run.results
+
+
+@pytest.fixture(scope="module")
+def host_run(tmp_path_factory):
+    """Host placement, prefill in chunks of 16 tokens."""
+    with Run(tmp_path_factory, "host", args=("--chunked-prefill-size", "16"), placement="host") as run:
+        run.results["sequential"] = run.complete(MIXED[:12], MIXED_NEW[:12])
+        run.results["prefix"] = prefix_runs(run)
+    run.results["trace"] = run.check_trace()
+    run.results["full_chunks"] = sum(1 for s in run.steps() if s["mode"] == "extend" and len(s["pos"]) == 16)
+    return run.results
+
+
+@pytest.fixture(scope="module")
+def disk_run(tmp_path_factory):
+    """Disk placement read by O_DIRECT behind a DRAM row cache, prefill in chunks of 32
+    tokens: each chunked prompt's next chunk is read ahead into that cache."""
+    with Run(tmp_path_factory, "disk", args=("--chunked-prefill-size", "32"), placement="disk", disk_direct="on",
+             disk_dram_cache_mib=1) as run:
+        run.results["sequential"] = run.complete(MIXED, MIXED_NEW)
+        run.results["stats"] = run.server.engram_stats()
+    run.results["trace"] = run.check_trace()
+    return run.results
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [want(p, n) for p, n in zip(MIXED, MIXED_NEW)]
+
+
+# ------------------------------------------------------------------------ tests
+def test_32_concurrent_mixed_requests_equal_sequential_and_reference(device_run, disk_run, expected):
+    """32 requests of 3..90 prompt tokens and 4..16 new tokens sent at once (device) give the
+    tokens they give one at a time (disk), and the reference's."""
+    assert device_run["concurrent"] == disk_run["sequential"]
+    assert device_run["concurrent"] == expected
+    assert device_run["widest_step"] >= 8, "the requests did not share steps"
+
+
+def test_placements_agree_with_each_other_and_the_reference(device_run, host_run, disk_run, expected):
+    assert host_run["sequential"] == disk_run["sequential"][:12] == device_run["concurrent"][:12] == expected[:12]
+    assert device_run["stats"]["placement"] == "device" and disk_run["stats"]["placement"] == "disk"
+    assert all(t["rows_served"] > 0 for t in disk_run["stats"]["tables"])
+
+
+def test_disk_tier_reads_the_next_prefill_chunk_ahead_into_its_dram_cache(disk_run):
+    """Prompts of 33..90 tokens in 32-token chunks: rows of the next chunks were read ahead
+    and then hit in the DRAM row cache; the traced ids and checksums above stay exact."""
+    tables = disk_run["stats"]["tables"]
+    assert all(t["read_ahead_rows"] > 0 for t in tables), tables
+    assert all(t["dram_cache_hits"] > 0 and t["direct"] for t in tables), tables
+
+
+@pytest.mark.parametrize("run", ["device_run", "host_run", "disk_run"])
+def test_traced_hash_ids_and_row_checksums_equal_the_reference(run, request):
+    """Every step a server ran (prefill chunks, prefix-hit prefills, decode, batched and
+    single), token by token: the hash ids and the checksum of the rows each layer used."""
+    counts = request.getfixturevalue(run)["trace"]
+    assert counts["tokens"] > 200 and counts["unmatched"] == 0, counts
+    assert counts["ids_wrong"] == 0 and counts["sums_wrong"] == 0, counts
+
+
+def test_chunked_prefill_and_prefix_cache_hits_give_the_same_completions(host_run, device_run):
+    assert host_run["full_chunks"] >= 2, "the host server did not prefill in 16-token chunks"
+    for run in (host_run, device_run):
+        assert run["prefix"]["long"] == [want(p, 12) for p in LONG]
+        assert run["prefix"]["extended"] == [want(p, 12) for p in EXTENDED]
+        assert all(c >= len(p) - 1 for c, p in zip(run["prefix"]["cached"], LONG)), run["prefix"]["cached"]
+
+
+# ------------------------------------------------------------- negative controls
+@pytest.mark.parametrize("control, broken", [("corrupt-history", "ids_wrong"), ("skip-wait", "sums_wrong")])
+def test_negative_controls_are_caught(tmp_path_factory, control, broken):
+    """A server that hashes with a lost history, or reads rows without waiting for the
+    prefetch, must fail the same checks the real servers pass."""
+    prompts = MIXED[2:5]
+    with Run(tmp_path_factory, control, placement="device", debug=control) as run:
+        got = run.complete(prompts, [8] * len(prompts))
+    counts = run.check_trace()
+    assert got != [want(p, 8) for p in prompts]
+    assert counts[broken] > 0, counts
+
+
+# ------------------------------------------------------------------ start-up
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_bad_table_dir_fails_start_up_with_one_line_and_leaves_nothing(tmp_path, damage):
+    tables = tmp_path / "tables"
+    if damage == "truncated":
+        shutil.copytree(table_dir(), tables)
+        path = tables / "layer-3.rows"
+        path.write_bytes(path.read_bytes()[:-264])
+        expect = "layer-3.rows: truncated"
+    else:
+        expect = "table directory does not exist"
+    server = Server(demo_dir(), engram={"table_dir": tables}, log_path=tmp_path / "sglang.log", port=free_port())
+    proc = subprocess.Popen(server.cmd, env=server.env, stdout=open(server.log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=300)  # SGLang must exit by itself
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert rc != 0
+    time.sleep(2)
+    assert not _group_alive(proc.pid), "a half-started SGLang process was left behind"
+    line = server.failure_line()
+    assert line.startswith("engram-sglang: ") and expect in line and "\n" not in line, line
+
+
+def test_bad_flag_values_are_refused_before_anything_starts(tmp_path):
+    server = Server(demo_dir(), engram={"placement": "ssd"}, log_path=tmp_path / "sglang.log")
+    proc = subprocess.run(server.cmd, env=server.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--engram-placement: invalid choice: 'ssd'" in proc.stderr
+    server = Server(demo_dir(), engram={"disk_threads": "0"}, log_path=tmp_path / "sglang.log")
+    proc = subprocess.run(server.cmd, env=server.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "engram-sglang: error: ENGRAM_DISK_THREADS (--engram-disk-threads) must be >= 1, got 0")

@@ -1,0 +1,483 @@
+"""The DeepSeek-V4.1 hook at module level (DeepSeek's attention backend has no CPU path):
+upstream SGLang's own EngramEmbedding and EngramHasher over small tables and synthetic
+forward batches, served through the process's one EngramRuntime. Upstream's EngramEmbedding
+over a table returns the same rows as our StoreEngramEmbedding over the same table, bit for
+bit, in every placement (the only difference by design: our gather writes +0.0 for -0.0)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.tables import small_config
+from engram_sglang import EngramLayout
+from engram_sglang.core.hashing import NgramHasher
+from engram_sglang.core.rowformat import PAYLOAD_BYTES, ROW_BYTES, ROW_VALUES, bf16_bits, dequantize, row_checksums, split
+from engram_sglang.core.tablefile import write_tables
+
+sglang_engram = pytest.importorskip("sglang.srt.layers.engram", reason="needs the installed sglang")
+
+CFG = small_config(300, layer_ids=(2, 5), n_heads=2)
+LAYER = 5
+SERIAL = SimpleNamespace(tp_rank=0, tp_size=1, attn_dp_size=1, attn_cp_size=1)
+
+
+def upstream_class():
+    cls = sglang_engram.EngramEmbedding
+    return getattr(cls, "upstream", cls)  # unwrap the plugin's factory if this process loaded it
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    """Random packed rows, the first 256 of which pair every fp8 code with scale byte = row."""
+    layout = EngramLayout(CFG)
+    gen = torch.Generator().manual_seed(7)
+    rows = {L: torch.randint(0, 256, (layout.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen) for L in CFG.layer_ids}
+    rows[LAYER][:256, :PAYLOAD_BYTES] = torch.arange(256, dtype=torch.uint8)
+    rows[LAYER][:256, PAYLOAD_BYTES:] = torch.arange(256, dtype=torch.uint8).unsqueeze(-1)
+    out = write_tables(tmp_path_factory.mktemp("dsv4") / "tables", CFG, rows, progress=False)
+    return out, rows, layout
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_size=1, tp_rank=0):
+        yield
+
+
+def expected(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return bf16_bits(dequantize(packed[ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+
+
+def upstream_rows(table, ids):
+    _, packed, layout = table
+    i = layout.layer_index(LAYER)
+    up = upstream_class()(layout.rows(LAYER), 256, LAYER, layout.column_bounds(i))
+    weight, scale = split(packed[LAYER])
+    up._load_rows(up.weight, weight.view(torch.float8_e4m3fn))
+    up._load_rows(up.scale, scale.view(torch.float8_e8m0fnu))
+    out = up(ids)
+    return out.masked_fill(out == 0, 0.0)  # -0.0 -> +0.0: ours writes +0.0 by design
+
+
+def open_runtime(table_dir, placement="host", **settings):
+    from engram_sglang.models.deepseek_v4_hook import process_runtime
+    from engram_sglang.serving.settings import ServeSettings
+
+    return process_runtime(settings=ServeSettings(placement=placement, table_dir=str(table_dir), **settings),
+                           device="cpu", parallel=SERIAL)
+
+
+def embeddings(runtime, layout):
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding
+
+    return {L: StoreEngramEmbedding(layout.rows(L), 256, L, layout.column_bounds(i), runtime=runtime)
+            for i, L in enumerate(CFG.layer_ids)}
+
+
+def upstream_hasher(rng):
+    """Upstream's EngramHasher (a subclass whose forward the test wraps, so the class SGLang
+    uses stays as it is), its buffers those of our NgramHasher for a random token map (its
+    constructor derives the same from a tokenizer: tests/test_hashing.py checks they agree)."""
+    from engram_sglang.models.deepseek_v4_hook import patch_engram_hasher
+
+    ours = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))
+    base = sglang_engram.EngramHasher
+    forward = getattr(base.forward, "__wrapped__", base.forward)  # upstream's, unwrapped
+    cls = type("Hasher", (base,), {"forward": forward})
+    patch_engram_hasher(SimpleNamespace(EngramHasher=cls))
+    hasher = cls.__new__(cls)
+    nn.Module.__init__(hasher)
+    hasher.max_ngram_size, hasher.pad_id = CFG.max_ngram_size, ours.pad_id
+    for name in ("token_map", "multipliers", "primes", "offsets"):
+        hasher.register_buffer(name, getattr(ours, name).clone(), persistent=False)
+    hasher.image_token_id, hasher.history, hasher.pad_row, hasher._cpu_hash_params = None, None, 0, None
+    hasher.init_history(8, "cpu")
+    return hasher, ours
+
+
+def batch(mode: str, slots, lens, positions, input_ids):
+    """A synthetic ForwardBatch with the fields upstream's hasher and our runtime read."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    lens_t = torch.tensor(lens)
+    return SimpleNamespace(
+        forward_mode={"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE,
+                      "verify": ForwardMode.TARGET_VERIFY}[mode],
+        req_pool_indices=torch.tensor(slots), extend_seq_lens=lens_t, extend_seq_lens_cpu=list(lens),
+        extend_start_loc=torch.cumsum(lens_t, 0) - lens_t, positions=torch.tensor(positions), input_ids=input_ids,
+        engram_history=None, out_cache_loc=torch.arange(1, len(input_ids) + 1),
+        spec_info=SimpleNamespace(draft_token_num=lens[0]))
+
+
+# ---------------------------------------------------------------------------------- rows
+@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+def test_store_embedding_returns_upstream_rows(parallel, table, placement):
+    table_dir, _, layout = table
+    rows = layout.rows(LAYER)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.cat([torch.arange(256), torch.randint(0, rows, (701,), generator=gen), torch.tensor([rows - 1])])
+    ids = ids.view(-1, 2)  # [T, hash columns], as the Engram layer passes them
+    runtime = open_runtime(table_dir, placement)
+    try:
+        got = embeddings(runtime, layout)[LAYER](ids)  # no step began: gathered as it comes
+    finally:
+        runtime.close()
+    want = upstream_rows(table, ids)
+    assert got.shape == want.shape == (*ids.shape, 256) and got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(bf16_bits(got), bf16_bits(want))
+    assert torch.isnan(got[:128]).any() and (got[:128] == 0).any()  # the special codes were exercised
+
+
+# ------------------------------------------------------------------- the one runtime
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, table, rng, placement, tmp_path):
+    """Extend, decode and an MTP target-verify step hashed by upstream's EngramHasher: every
+    layer's gather starts when the ids exist and each lookup takes its own prefetched rows
+    (exact, and the ids equal one pass over each request's tokens); the step ends between
+    steps with its statistics and trace line; no prefetch handle is ever dropped."""
+    from engram_sglang.serving.runtime import active_runtimes
+    from engram_sglang.core.stores import maintenance
+    from engram_sglang.core.stores.base import Prefetch
+
+    table_dir, packed, layout = table
+    trace = tmp_path / "trace.jsonl"
+    runtime = open_runtime(table_dir, placement, trace=str(trace))
+    dropped = Prefetch.dropped
+    started = {}
+    for L, store in runtime.stores.items():
+        real = store.prefetch
+        store.prefetch = lambda ids, real=real, L=L: started.setdefault(L, []).append(real(ids)) or started[L][-1]
+    try:
+        embeds = embeddings(runtime, layout)
+        hasher, ours = upstream_hasher(rng)
+        assert runtime.step_hasher is None and not runtime.reads_ahead
+        a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=rng) for n in (11, 9))
+        steps = [  # (mode, slots, per-request (tokens, first position))
+            ("extend", [3, 5], [(a[:7], 0), (b[:5], 0)]),
+            ("decode", [3, 5], [(a[7:8], 7), (b[5:6], 5)]),
+            ("verify", [3, 5], [(a[8:11], 8), (b[6:9], 6)]),
+        ]
+        for n, (mode, slots, parts) in enumerate(steps):
+            tokens = torch.cat([t for t, _ in parts])
+            positions = [p + k for t, p in parts for k in range(len(t))]
+            fb = batch(mode, slots, [len(t) for t, _ in parts], positions, tokens)
+            hash_ids = hasher(tokens, fb)
+            step = runtime.current_step
+            assert runtime.step_hasher is hasher and step.hash_ids is hash_ids and step.mode == mode
+            assert step.token_req.tolist() == [s for s, (t, _) in zip(slots, parts) for _ in range(len(t))]
+            whole = torch.cat([ours.hash_sequence((a if s == 3 else b)[:p + len(t)].tolist())[p:]
+                               for s, (t, p) in zip(slots, parts)])
+            assert torch.equal(hash_ids, whole)  # upstream's hash, with the history it keeps
+            assert sorted(step.handles) == list(CFG.layer_ids)  # every layer's gather, before any layer
+            for i, L in enumerate(CFG.layer_ids):
+                got = embeds[L](hash_ids[:, i], fb)
+                assert got is started[L][n]._rows  # the prefetched rows, not a second gather
+                assert torch.equal(bf16_bits(got), expected(packed[L], hash_ids[:, i]))
+            assert step.handles == {}
+            maintenance.between_steps()  # SGLang's ModelRunner.forward returned: the step ends
+            stats = runtime.stats()
+            assert stats["steps"] == stats["forward_steps"] == n + 1
+        assert stats["tokens"] == 12 + 2 + 6 and stats["engram_seconds_per_step"] > 0
+        # /server_info: the plugin's hook on the scheduler's internal state reports this runtime.
+        from engram_sglang import plugin
+
+        class Controller:
+            def get_internal_state(self, recv_req):
+                return SimpleNamespace(internal_state={})
+
+        plugin._report_internal_state(SimpleNamespace(SchedulerInternalStateController=Controller))
+        assert active_runtimes() == [runtime]
+        reported = Controller().get_internal_state(None).internal_state["engram"]
+        assert reported["steps"] == 3 and reported["placement"] == placement and len(reported["tables"]) == 2
+        lines = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert [line["mode"] for line in lines] == ["extend", "decode", "verify"]
+        assert lines[2]["req"] == [3, 3, 3, 5, 5, 5] and lines[2]["pos"] == [8, 9, 10, 6, 7, 8]
+        last = hash_ids  # the verify step's
+        for i, L in enumerate(CFG.layer_ids):
+            assert lines[2]["ids"][str(L)] == last[:, i].tolist()
+            assert lines[2]["sum"][str(L)] == row_checksums(dequantize(packed[L][last[:, i].reshape(-1)])
+                                                            .view(*last[:, i].shape, ROW_VALUES)).tolist()
+    finally:
+        runtime.close()
+    del started
+    assert Prefetch.dropped == dropped
+
+
+def test_a_decode_step_captured_into_a_cuda_graph_gathers_the_graphs_own_ids(parallel, table, rng):
+    """Upstream hashes a decode step inside the captured graph: no prefetch is started there and
+    no Python state of the runtime, its stores or the hasher changes (a replay runs none); each
+    layer's lookup is captured as a gather of the ids it is handed. Eager steps around the
+    capture stay exact and a replay is counted between steps."""
+    from tests.support.capture import capture
+    from engram_sglang.core.stores import maintenance
+
+    table_dir, packed, layout = table
+    runtime = open_runtime(table_dir, "host")
+    try:
+        embeds = embeddings(runtime, layout)
+        hasher, _ = upstream_hasher(rng)
+        tokens = torch.randint(0, CFG.vocab_size, (8,), generator=rng)
+        slots, positions = list(range(8)), [5] * 8
+        fb = batch("decode", slots, [1] * 8, positions, tokens)
+        hash_ids = hasher(tokens, fb)  # eager, as the warm-up before a capture
+        for i, L in enumerate(CFG.layer_ids):
+            assert torch.equal(bf16_bits(embeds[L](hash_ids[:, i], fb)), expected(packed[L], hash_ids[:, i]))
+        maintenance.between_steps()
+        with capture(runtime, hasher, *runtime.stores.values()) as cap:
+            fake = batch("decode", slots, [1] * 8, positions, tokens)
+            for name in ("req_pool_indices", "positions", "out_cache_loc", "input_ids"):
+                setattr(fake, name, cap.fake(getattr(fake, name)))
+            ids = hasher(fake.input_ids, fake)
+            for i, L in enumerate(CFG.layer_ids):
+                assert embeds[L](ids[:, i], fake).shape == (8, ids.shape[2], ROW_VALUES)
+        maintenance.between_steps()  # a replay's ModelRunner.forward
+        assert runtime.stats()["forward_steps"] == 2 and runtime.stats()["steps"] == 1
+        hash_ids = hasher(tokens, fb)
+        for i, L in enumerate(CFG.layer_ids):
+            assert torch.equal(bf16_bits(embeds[L](hash_ids[:, i], fb)), expected(packed[L], hash_ids[:, i]))
+    finally:
+        runtime.close()
+
+
+def test_a_context_parallel_slice_is_gathered_as_it_comes(parallel, table, rng):
+    """Under context parallelism each rank looks up a strided slice of the prompt's ids (padded):
+    not the step's ids, so served by a gather of exactly those, never the prefetched rows; the
+    prefetch nobody uses is released, not dropped."""
+    from engram_sglang.core.stores import maintenance
+    from engram_sglang.core.stores.base import Prefetch
+
+    table_dir, packed, layout = table
+    runtime = open_runtime(table_dir, "host")
+    dropped = Prefetch.dropped
+    try:
+        embeds = embeddings(runtime, layout)
+        hasher, _ = upstream_hasher(rng)
+        tokens = torch.randint(0, CFG.vocab_size, (10,), generator=rng)
+        fb = batch("extend", [1], [10], list(range(10)), tokens)
+        hash_ids = hasher(tokens, fb)
+        cp_slice = torch.cat([hash_ids[1::2], hash_ids.new_zeros(1, *hash_ids.shape[1:])])  # rank 1 of 2, padded
+        for i, L in enumerate(CFG.layer_ids):
+            got = embeds[L](cp_slice[:, i], fb, cp_all_tokens=True)
+            assert got.shape == (6, hash_ids.shape[2], ROW_VALUES)
+            assert torch.equal(bf16_bits(got), expected(packed[L], cp_slice[:, i]))
+            # Ids of the step column's shape but other contents (not the hasher's own view):
+            # gathered as they come, never the step's prefetched rows.
+            flipped = hash_ids.flip(0)[:, i]
+            got = embeds[L](flipped, fb)
+            assert torch.equal(bf16_bits(got), expected(packed[L], flipped))
+        maintenance.between_steps()
+        assert runtime.stats()["steps"] == 1
+    finally:
+        runtime.close()
+    assert Prefetch.dropped == dropped
+
+
+def test_a_failed_read_fails_only_its_requests_through_the_runtime(parallel, table, rng):
+    """A row that cannot be read fails the requests whose tokens needed it (the scheduler hook
+    aborts them after the batch); every other token's rows are exact."""
+    from engram_sglang.serving import faults
+    from engram_sglang.core.stores import maintenance
+    from engram_sglang.core.stores.base import TableReadFault
+
+    table_dir, packed, layout = table
+    runtime = open_runtime(table_dir, "disk")
+    try:
+        embeds = embeddings(runtime, layout)
+        hasher, _ = upstream_hasher(rng)
+        a, b = (torch.randint(0, CFG.vocab_size, (n,), generator=rng) for n in (6, 5))
+        tokens = torch.cat([a, b])
+        fb = batch("extend", [2, 6], [6, 5], list(range(6)) + list(range(5)), tokens)
+        L = LAYER
+        store = runtime.stores[L]
+        real = store.prefetch
+
+        def failing(ids):  # the rows of request 6's last token fail; the others were read
+            rows = real(ids).wait()
+            bad = sorted(set(col[-1].tolist()) - set(col[:6].reshape(-1).tolist()))
+            rows = rows.clone()
+            rows[torch.isin(ids, torch.tensor(bad))] = 0
+            fault = TableReadFault("layer-5.rows: reading 1 row failed: Input/output error", failed_ids=bad, rows=rows)
+
+            class Failed:
+                def wait(self):
+                    raise fault
+
+                def release(self):
+                    pass
+
+            return Failed()
+
+        store.prefetch = failing
+        col = _hash_without_commit(hasher, tokens, fb)[:, runtime.layer_index[L]]  # the ids the step will ask for
+        step_ids = hasher(tokens, fb)
+        got = {M: embeds[M](step_ids[:, i], fb) for i, M in enumerate(CFG.layer_ids)}
+        maintenance.between_steps()
+        assert torch.equal(bf16_bits(got[L])[:6], expected(packed[L], col[:6]))
+        other = CFG.layer_ids[0]
+        assert torch.equal(bf16_bits(got[other]), expected(packed[other], step_ids[:, 0]))
+        assert runtime.stats()["read_faults"] == 1
+        # After the batch the scheduler hook aborts exactly request 6, naming the layer and the error.
+        reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=i), to_finish=None, finished=lambda: False)
+                for i in (2, 6)]
+        assert faults.abort_failed_requests(SimpleNamespace(tp_size=1), SimpleNamespace(reqs=reqs)) == 1
+        assert reqs[0].to_finish is None
+        assert f"engram layer {L}" in reqs[1].to_finish.message and "Input/output error" in reqs[1].to_finish.message
+        assert runtime.take_failed_requests() == {}
+    finally:
+        runtime.close()
+
+
+def _hash_without_commit(hasher, tokens, fb):
+    """The step's ids computed ahead by upstream's own torch path, its history left as it is."""
+    saved = hasher.history.clone()
+    try:
+        return type(hasher).forward.__wrapped__(hasher, tokens, fb)
+    finally:
+        hasher.history.copy_(saved)
+
+
+def test_prefill_read_ahead_hashes_with_upstreams_hasher(parallel, table, rng, monkeypatch):
+    """The disk tier's read-ahead of a chunked prompt's next chunk, for a runtime whose hasher
+    is upstream's: the rows the next chunk's step will ask for land in the DRAM row cache."""
+    from array import array
+
+    import numpy as np
+
+    from engram_sglang.models.deepseek_v4_hook import patch_deepseek_v4
+    from engram_sglang.serving import readahead
+    from engram_sglang.serving.readahead import read_ahead_next_chunk
+
+    monkeypatch.setattr(readahead, "_failed_once", False)
+    table_dir, _, layout = table
+    runtime = open_runtime(table_dir, "disk", disk_direct=True, disk_dram_cache_mib=8)
+    try:
+        embeds = embeddings(runtime, layout)
+        hasher, ours = upstream_hasher(rng)
+        assert not runtime.reads_ahead  # no hasher yet: nothing to hash with
+
+        class Model(nn.Module):  # the loader attaches the model's hasher once weights are in
+            def load_weights(self, weights):
+                return list(weights)
+
+        patch_deepseek_v4(SimpleNamespace(DeepseekV4ForCausalLM=Model))
+        model = Model()
+        model.model = SimpleNamespace(engram_hasher=hasher)
+        model.embeds = nn.ModuleList(embeds.values())
+        model.load_weights([("model.layers.2.engram.embed.weight", None), ("model.layers.2.engram.wkv.weight", None)])
+        assert runtime.step_hasher is hasher and runtime.reads_ahead
+        tokens = torch.randint(0, CFG.vocab_size, (100,), generator=rng).tolist()
+        req = SimpleNamespace(full_untruncated_fill_ids=array("q", tokens), extend_end=40)
+        scheduler = SimpleNamespace(chunked_req=req, chunked_prefill_size=32)
+        extend = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True))
+        assert read_ahead_next_chunk(scheduler, extend) == 32
+        # The next chunk's step, hashed by upstream's hasher with the history SGLang gives it.
+        fb = batch("extend", [4], [32], list(range(40, 72)), torch.tensor(tokens[40:72]))
+        fb.engram_history = torch.tensor([tokens[37:40]], dtype=torch.int32)
+        step_ids = _hash_without_commit(hasher, torch.tensor(tokens[40:72]), fb)
+        assert torch.equal(step_ids, ours.hash_sequence(tokens)[40:72])
+        for L, i in runtime.layer_index.items():
+            store = runtime.stores[L]
+            store.read_ahead(np.zeros(0, np.int64)).result()  # one thread, in order: the chunk is in
+            want = np.unique(step_ids[:, i].numpy())
+            assert store.dram.contains(want).mean() > 0.9  # (set conflicts may drop a few)
+    finally:
+        runtime.close()
+
+
+# --------------------------------------------------------------- factory and parallelism
+def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel, table, monkeypatch):
+    import importlib
+
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_engram_module
+
+    table_dir, _, layout = table
+    module = importlib.import_module("sglang.srt.layers.engram")
+    monkeypatch.setattr(module, "EngramEmbedding", upstream_class())
+    patch_engram_module(module)
+    args = (layout.rows(LAYER), 256, LAYER, layout.column_bounds(1))
+    monkeypatch.delenv("ENGRAM_TABLE_DIR", raising=False)
+    assert isinstance(module.EngramEmbedding(*args), upstream_class())
+    monkeypatch.setenv("ENGRAM_TABLE_DIR", str(table_dir))
+    monkeypatch.setenv("ENGRAM_PLACEMENT", "host")
+    emb = module.EngramEmbedding(*args)
+    other = module.EngramEmbedding(layout.rows(2), 256, 2, layout.column_bounds(0))
+    try:
+        assert isinstance(emb, StoreEngramEmbedding) and emb.store.placement == "host"
+        assert other.runtime is emb.runtime  # one runtime per process serves every layer
+        with pytest.raises(Exception, match="wants 1"):
+            module.EngramEmbedding(1, 256, LAYER, (0, 1))
+    finally:
+        emb.runtime.close()
+
+
+@pytest.mark.parametrize("placement, options", [
+    ("host", {"host_shared": True}), ("host", {}), ("host", {"host_shared": True, "host_whole_rows": False}),
+    ("device", {}), ("disk", {})])
+def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_path, placement, options):
+    """Under attention DP the TP ranks hold different tokens: with the node's shared host copy
+    every rank reads whole rows (no all-reduce); a placement that shards rows is refused with
+    the reason, before anything is opened."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.models.deepseek_v4_hook import process_runtime
+    from engram_sglang.serving.settings import ServeSettings
+
+    table_dir, packed, layout = table
+    shared = options.get("host_shared") and options.get("host_whole_rows", True)
+    if placement == "host":
+        options = dict(options, shm_dir=str(tmp_path))
+    settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
+    with get_parallel().override(tp_size=2, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=1,
+                                 attn_cp_size=1, attn_cp_rank=0) as par:
+        if not shared:
+            with pytest.raises(EngramError, match="host-shared on"):
+                process_runtime(settings=settings, device="cpu", parallel=par)
+            return
+        runtime = process_runtime(settings=settings, device="cpu", parallel=par)
+    try:
+        assert (runtime.tp_rank, runtime.tp_size) == (0, 1)  # whole rows: no sum over ranks
+        ids = torch.randint(0, layout.rows(LAYER), (9, 6))
+        got = runtime.rows(None, LAYER, ids)
+        assert torch.equal(bf16_bits(got), expected(packed[LAYER], ids))
+    finally:
+        runtime.close()
+
+
+def test_disk_graphs_are_refused_for_deepseek(table):
+    from engram_sglang.core.errors import EngramError
+
+    table_dir, _, _ = table
+    with pytest.raises(EngramError, match="start without it"):
+        open_runtime(table_dir, "disk", disk_graphs=True)
+
+
+def test_loader_skips_table_tensors_only_when_our_store_serves():
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_deepseek_v4
+
+    seen = []
+
+    class FakeModel(torch.nn.Module):
+        def load_weights(self, weights):
+            seen.extend(name for name, _ in weights)
+
+    class Module:
+        DeepseekV4ForCausalLM = FakeModel
+
+    patch_deepseek_v4(Module)
+    names = ["model.layers.1.engram.embed.weight", "layers.1.engram.embed.scale", "model.layers.1.engram.wkv.weight"]
+    FakeModel().load_weights((n, None) for n in names)
+    assert seen == names
+    seen.clear()
+    model = FakeModel()
+    model.embed = StoreEngramEmbedding.__new__(StoreEngramEmbedding)
+    torch.nn.Module.__init__(model.embed)
+    model.load_weights((n, None) for n in names)
+    assert seen == ["model.layers.1.engram.wkv.weight"]

@@ -1,0 +1,129 @@
+"""The plugin refuses to run half patched (issue 12 item 7): every SGLang attribute it patches
+is declared in patching.TARGETS, exists in the SGLang it was checked against, and a missing
+one stops the process with one line naming it and the SGLang version."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engram_sglang.plugin import targets as patching
+
+from engram_sglang import plugin
+from engram_sglang.plugin.targets import SGLANG_TESTED, TARGETS, Target
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "engram_sglang"
+
+
+def test_every_patch_target_exists_in_the_installed_sglang():
+    pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
+    assert patching.sglang_version() == SGLANG_TESTED, "the venv's SGLang is not the release the targets name"
+    assert len(TARGETS) == 14  # the list below, so a target dropped from TARGETS shows up here
+    names = sorted(t.name for t in TARGETS)
+    assert names == sorted([
+        "sglang.srt.server_args.prepare_server_args",
+        "sglang.srt.server_args.ServerArgs.add_cli_args",
+        "sglang.srt.models.registry.ModelRegistry.models",
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+        "sglang.srt.layers.engram.EngramEmbedding",
+        "sglang.srt.layers.engram.EngramHasher.forward",
+        "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights",
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object",
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture",
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+    ])
+    for name in patching.TARGET_MODULES:
+        module = importlib.import_module(name)
+        # The plugin may have wrapped them already in this process: they exist either way.
+        assert patching.missing_targets(module) == [], name
+
+
+def _patched_in_source() -> set[str]:
+    """Every `wrap_method(module.C, "m")`, `module.C = ...` and HookRegistry target in the package."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        found |= {f"{c}.{m}" for c, m in re.findall(r'wrap_method\(module\.(\w+), "(\w+)"', text)}
+        found |= set(re.findall(r"^\s*module\.(\w+) = ", text, re.M))
+        found |= {t.split(".", 3)[-1] for t in re.findall(r'HookRegistry\.register\("([\w.]+)"', text)}
+    return found
+
+
+def test_every_patch_in_the_source_is_a_declared_target():
+    found = _patched_in_source()
+    assert len(found) >= 9, found  # the scan itself still finds the patches
+    declared = {t.attr for t in TARGETS}
+    assert found - declared == set(), "patched but not in patching.TARGETS (so never checked at start-up)"
+
+
+def test_a_missing_target_stops_the_import_with_one_line(tmp_path, monkeypatch, capsys):
+    """A stand-in module lacking a declared target: importing it exits 2 with one line, and
+    the module's patch never runs (nothing half applied)."""
+    (tmp_path / "engram_probe_target.py").write_text("class Thing:\n    def other(self):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(patching, "TARGETS", TARGETS + (Target("engram_probe_target", "Thing.run", "wraps"),))
+    ran = []
+    plugin._after_import("engram_probe_target", ran.append)
+    with pytest.raises(SystemExit) as exc:
+        import engram_probe_target  # noqa: F401
+    assert exc.value.code == 2 and ran == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0] == (f"engram-sglang: error: SGLang {patching.sglang_version()} has no engram_probe_target.Thing.run, "
+                      f"which engram-sglang wraps: this engram-sglang was checked against SGLang {SGLANG_TESTED}; "
+                      f"install that release (pip install sglang=={SGLANG_TESTED}) or an engram-sglang made for yours")
+    sys.modules.pop("engram_probe_target", None)
+
+
+def test_wrap_method_names_an_undeclared_missing_method():
+    from engram_sglang.core.errors import PatchTargetMissing
+
+    class Thing:
+        pass
+
+    with pytest.raises(PatchTargetMissing, match=r"has no .*Thing\.run, which engram-sglang wraps"):
+        patching.wrap_method(Thing, "run", lambda original, self: None)
+
+
+# SGLang's own plugin loader catches every Exception a plugin raises (and logs it): the
+# refusal has to get through it. A stand-in for sglang.srt.layers.engram whose hasher has no
+# forward (as if another release renamed it) is in sys.modules when SGLang loads the plugin.
+LOADER = """
+    import sys, types
+    import sglang.srt.plugins as plugins
+
+    fake = types.ModuleType("sglang.srt.layers.engram")
+    class EngramHasher:  # no forward
+        pass
+    class EngramEmbedding:
+        pass
+    fake.EngramHasher, fake.EngramEmbedding = EngramHasher, EngramEmbedding
+    sys.modules["sglang.srt.layers.engram"] = fake
+    plugins.load_plugins()
+    print("SERVED HALF PATCHED")
+"""
+
+
+def test_sglangs_plugin_loader_does_not_swallow_the_refusal():
+    pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SGLANG_PLUGINS": "engram"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(LOADER)], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert "SERVED HALF PATCHED" not in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 2, out.stderr[-2000:]
+    ours = [ln for ln in out.stderr.splitlines() if ln.startswith("engram-sglang: error:")]
+    assert ours == [f"engram-sglang: error: SGLang {SGLANG_TESTED} has no sglang.srt.layers.engram.EngramHasher.forward, "
+                    f"which engram-sglang wraps: this engram-sglang was checked against SGLang {SGLANG_TESTED}; "
+                    f"install that release (pip install sglang=={SGLANG_TESTED}) or an engram-sglang made for yours"]
