@@ -162,7 +162,8 @@ def test_a_knob_added_to_the_table_alone_is_a_field_a_flag_a_variable_and_a_boun
         export_flags(["--engram-probe-depth", "0"])
     assert export_flags(["--model-path", "m", "--engram-probe-depth", "4"]) == {"ENGRAM_PROBE_DEPTH": "4"}
     assert built.from_env().probe_depth == 4
-    assert "| `--engram-probe-depth` | `ENGRAM_PROBE_DEPTH` | 3 | a knob for this test only |" in settings.knobs_markdown()
+    row = "| `--engram-probe-depth` | `ENGRAM_PROBE_DEPTH` | 3 | a knob for this test only |"
+    assert row in settings.knobs_markdown()
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser)
     assert "--engram-probe-depth" in parser.format_help()
