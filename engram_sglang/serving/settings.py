@@ -3,7 +3,8 @@
 SGLang keeps only its own ServerArgs fields, and its scheduler runs in other processes, so
 the plugin turns each `--engram-*` flag into its `ENGRAM_*` variable in the launching
 process (children inherit the environment); the model reads `ServeSettings.from_env()`
-where it is built. Every knob, its variable and its default is in `KNOBS` (and the README).
+where it is built. Every knob, its variable, its default and the values it takes is in `KNOBS`
+(and the README): the flags, the variables' parsing and `ServeSettings`' fields are made from it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..core.placement_table import placement as placement_spec
 from ..core.errors import EngramConfigError
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
+NUMA_MODES, MAX_NUMA_NODES = ("auto", "interleave", "off"), 1024  # stores.numa.MODES, MAX_NODES (it loads torch)
 
 DEBUG_KNOBS = ("corrupt-history", "skip-wait")
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
@@ -29,7 +31,10 @@ class Knob:
     kind: str  # "str", "int", "bool", "auto-bool" (on, off or auto), "choice", "list", "numa"
     default: Any
     help: str
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()  # the words a "choice" or "numa" knob takes, or a "list" knob's items
+    low: int = 0  # the smallest "int" (or "numa" node number) taken
+    high: Optional[int] = None  # the largest, None for no ceiling
+    high_why: str = ""  # what the ceiling stands for, in its error message
 
     @property
     def env(self) -> str:
@@ -38,6 +43,17 @@ class Knob:
     @property
     def field(self) -> str:
         return self.flag.replace("-", "_")
+
+    @property
+    def field_type(self) -> Any:
+        """The type of its ServeSettings field: the kind's, Optional where the default is None."""
+        t = _KIND_TYPES[self.kind]
+        return Optional[t] if self.default is None else t
+
+
+# An auto-bool field holds "auto" until the runtime resolves it (serving/whole_rows_auto.py).
+_KIND_TYPES = {"str": str, "int": int, "bool": bool, "auto-bool": bool | str, "choice": str, "list": tuple[str, ...],
+               "numa": str}
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -55,9 +71,10 @@ KNOBS: tuple[Knob, ...] = (
          "(else it removes it); see `engram-sglang shm ls`"),
     Knob("host-numa", "numa", "auto", "host placement: NUMA node of the table memory: auto (each rank's copy on its "
          "GPU's node, one shared copy per node; interleaved where a node's free memory cannot hold it), interleave, "
-         "off, or a node number"),
+         "off, or a node number", NUMA_MODES, high=MAX_NUMA_NODES - 1),
     Knob("huge-pages", "bool", True, "host placement: back the table with transparent huge pages"),
-    Knob("disk-threads", "int", 64, "disk placement: row reads in flight"),
+    Knob("disk-threads", "int", 64, "disk placement: row reads in flight", low=1, high=MAX_DISK_THREADS,
+         high_why="reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
     Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
     Knob("disk-native-step", "bool", True, "disk placement: each layer's step in one native call (dedupe, DRAM-cache "
@@ -83,38 +100,28 @@ KNOBS: tuple[Knob, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+def _fields_from(knobs: tuple[Knob, ...]):
+    """Class decorator: a frozen dataclass with one field per knob, named, typed and defaulted by
+    the knob, so that a knob is added in the table alone."""
+    def build(cls):
+        cls.__annotations__ = {k.field: k.field_type for k in knobs}
+        for k in knobs:
+            setattr(cls, k.field, k.default)
+        cls._knobs = knobs
+        return dataclasses.dataclass(frozen=True)(cls)
+    return build
+
+
+@_fields_from(KNOBS)
 class ServeSettings:
-    table_dir: Optional[str] = None
-    placement: str = "device"
-    backend: str = "auto"
-    host_shared: bool = False
-    shm_dir: str = "/dev/shm"
-    host_whole_rows: bool | str = "auto"  # "auto" until the runtime resolves it (serving/whole_rows_auto.py)
-    host_keep: bool = False
-    host_numa: str = "auto"
-    huge_pages: bool = True
-    disk_threads: int = 64
-    disk_direct: bool = False
-    disk_retries: int = 2
-    disk_native_step: bool = True
-    disk_dram_cache_mib: int = 0
-    cache_mib: int = 0
-    cache_profile: Optional[str] = None
-    prefetch: bool = True
-    disk_graphs: bool = False
-    mode: str = "on"
-    ablation: bool = False
-    trace: Optional[str] = None
-    stats_file: Optional[str] = None
-    debug: tuple[str, ...] = ()
+    """One field per knob of KNOBS (table_dir, placement, ..., debug), its default the knob's."""
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
         """Read every ENGRAM_* variable; a bad value raises EngramConfigError (one line)."""
         env = os.environ if env is None else env
         values = {}
-        for knob in KNOBS:
+        for knob in cls._knobs:
             raw = env.get(knob.env)
             if raw is not None:
                 values[knob.field] = _parse(knob, raw)
@@ -158,10 +165,11 @@ def _parse(knob: Knob, raw: str) -> Any:
             n = int(value)
         except ValueError:
             raise EngramConfigError(f"{where} must be an integer, got {raw!r}") from None
-        if n < 0 or (knob.flag == "disk-threads" and n < 1):
-            raise EngramConfigError(f"{where} must be {'>= 1' if knob.flag == 'disk-threads' else '>= 0'}, got {n}")
-        if knob.flag == "disk-threads" and n > MAX_DISK_THREADS:
-            raise EngramConfigError(f"{where} must be at most {MAX_DISK_THREADS} (reads in flight), got {n}")
+        if n < knob.low:
+            raise EngramConfigError(f"{where} must be >= {knob.low}, got {n}")
+        if knob.high is not None and n > knob.high:
+            why = f" ({knob.high_why})" if knob.high_why else ""
+            raise EngramConfigError(f"{where} must be at most {knob.high}{why}, got {n}")
         return n
     if knob.kind == "auto-bool" and value.lower() == "auto":
         return "auto"
@@ -173,11 +181,12 @@ def _parse(knob: Knob, raw: str) -> Any:
             return False
         also = ", or auto" if knob.kind == "auto-bool" else ""
         raise EngramConfigError(f"{where} must be on/off (1/0, true/false){also}, got {raw!r}")
-    if knob.kind == "numa":  # stores/numa.py's modes (not imported: it loads with torch)
+    if knob.kind == "numa":  # a mode word or a node number
         low = value.lower()
-        if low in ("auto", "interleave", "off") or (low.isdigit() and int(low) < 1024):
+        if low in knob.choices or (low.isdigit() and knob.low <= int(low) <= knob.high):
             return low
-        raise EngramConfigError(f"{where} must be auto, interleave, off or a NUMA node number (0..1023), got {raw!r}")
+        raise EngramConfigError(f"{where} must be {', '.join(knob.choices)} or a NUMA node number "
+                                f"({knob.low}..{knob.high}), got {raw!r}")
     if knob.kind == "choice":
         if value not in knob.choices:
             raise EngramConfigError(f"{where} must be one of {', '.join(knob.choices)}, got {raw!r}")
