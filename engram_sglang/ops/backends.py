@@ -42,7 +42,6 @@ class Backend:
     rejection_path : "module:function" called as f(backend, dev, env) on a device it serves:
         why it cannot run there ("" when it can); None: it runs on every device it serves.
     native_lib : the ctypes library it launches through (ops/native.py loads it), if any.
-    what : one line for help texts.
     """
 
     name: str
@@ -51,7 +50,6 @@ class Backend:
     launch_path: str
     rejection_path: Optional[str] = None
     native_lib: Optional[str] = None
-    what: str = ""
 
     def __post_init__(self):
         unknown = [d for d in self.devices if d not in DEVICE_KINDS]
@@ -69,18 +67,18 @@ class Backend:
         return _function(self.rejection_path)(self, dev, env) if self.rejection_path else ""
 
 
+# What each backend is: ops/gather.py's docstring, beside their launchers.
 BACKEND_TABLE: dict[str, Backend] = {b.name: b for b in (
-    Backend("cuda", ("cuda",), 10, ".gather:launch_native_gpu", ".probe:cuda_library_rejection",
-            native_lib="libengram_cuda.so", what="kernels/cuda (nvcc) via ctypes on the caller's stream"),
-    Backend("hip", ("hip",), 20, ".gather:launch_native_gpu", ".probe:hip_library_rejection",
-            native_lib="libengram_hip.so",
-            what="kernels/cuda + kernels/hip/vendor.h (clang -x hip) via ctypes on the caller's stream"),
-    Backend("cpu", ("cpu",), 30, ".gather:launch_native_cpu", ".probe:cpu_library_rejection",
-            native_lib="libengram_cpu.so", what="kernels/cpu via ctypes: the shared row decode on the host cores"),
-    Backend("triton", ("cuda", "hip", "cpu"), 40, ".gather:launch_triton", ".probe:triton_rejection",
-            what="ops/gather_triton.py, any GPU Triton targets (and the interpreter in tests)"),
-    Backend("torch", ("cuda", "hip", "cpu"), 50, ".gather:launch_torch",
-            what="the reference (gather_dequant_ref, on rowformat.dequantize)"),
+    Backend("cuda", devices=("cuda",), preference=10, launch_path=".gather:launch_native_gpu",
+            rejection_path=".probe:cuda_library_rejection", native_lib="libengram_cuda.so"),
+    Backend("hip", devices=("hip",), preference=20, launch_path=".gather:launch_native_gpu",
+            rejection_path=".probe:hip_library_rejection", native_lib="libengram_hip.so"),
+    Backend("cpu", devices=("cpu",), preference=30, launch_path=".gather:launch_native_cpu",
+            rejection_path=".probe:cpu_library_rejection", native_lib="libengram_cpu.so"),
+    # On a CPU only interpreted (TRITON_INTERPRET=1, tests): its rejection says so.
+    Backend("triton", devices=("cuda", "hip", "cpu"), preference=40, launch_path=".gather:launch_triton",
+            rejection_path=".probe:triton_rejection"),
+    Backend("torch", devices=("cuda", "hip", "cpu"), preference=50, launch_path=".gather:launch_torch"),
 )}
 
 

@@ -1,5 +1,11 @@
 """`gather_dequant`: packed Engram rows by row id -> bf16, one op over the backends of the
-table in ops/backends.py (which says what each one is), whose launchers are here.
+table in ops/backends.py, whose launchers are here:
+
+    torch   the reference (`gather_dequant_ref`, on `rowformat.dequantize`)
+    triton  ops/gather_triton.py, any GPU Triton targets (and the interpreter in tests)
+    cpu     kernels/cpu via ctypes: the shared row decode on the host cores
+    cuda    kernels/cuda (nvcc) via ctypes on the caller's stream
+    hip     kernels/cuda + kernels/hip/vendor.h (clang -x hip) via ctypes on the caller's stream
 
 All return the same bf16 bits (NaNs canonical). The op is registered with torch.library
 (`engram::gather_dequant`, and `engram::gather_dequant_out` writing a caller's buffer) with
