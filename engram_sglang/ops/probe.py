@@ -2,12 +2,12 @@
 
 Callers ask capabilities (`DeviceInfo.uva`, `.fp8`, `.warp_size`), never "am I on ROCm".
 The backends, their preference order (native library built for this target > Triton > torch)
-and each one's reasons not to run are the table of ops/backends.py; the choice is logged as one
-line with the reasons the others were rejected. `ENGRAM_BACKEND` forces a backend: an explicit choice
-that cannot run raises; the automatic one falls back with a warning when the best backend for
-the device (its native library) is missing. Nothing happens at import: the device is read on
-the first question, and simulated devices (`cuda_device`, `hip_device`, `cpu_device`) let the
-tests ask for an H200 or an MI300X on a laptop.
+and each one's reasons not to run are the table of ops/backends.py; the choice is logged as
+one line with the reasons the others were rejected. `ENGRAM_BACKEND` forces a backend: an
+explicit choice that cannot run raises; the automatic one falls back with a warning when the
+best backend for the device (its native library) is missing. Nothing happens at import: the
+device is read on the first question, and simulated devices (`cuda_device`, `hip_device`,
+`cpu_device`) let the tests ask for an H200 or an MI300X on a laptop.
 """
 
 from __future__ import annotations
