@@ -112,7 +112,7 @@ def test_settings_fields_are_the_knobs_name_for_name_and_default_for_default():
 
 
 def test_the_numa_bounds_are_stores_numa_s():
-    from engram_sglang.stores import numa
+    from engram_sglang.core.stores import numa
 
     assert settings.NUMA_MODES == numa.MODES and settings.MAX_NUMA_NODES == numa.MAX_NODES
     knob = next(k for k in KNOBS if k.kind == "numa")

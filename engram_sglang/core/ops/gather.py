@@ -1,4 +1,5 @@
-"""`gather_dequant`: packed Engram rows by row id -> bf16, one op over five backends.
+"""`gather_dequant`: packed Engram rows by row id -> bf16, one op over the backends of the
+table in ops/backends.py, whose launchers are here:
 
     torch   the reference (`gather_dequant_ref`, on `rowformat.dequantize`)
     triton  ops/gather_triton.py, any GPU Triton targets (and the interpreter in tests)
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ..rowformat import ROW_BYTES, ROW_VALUES, dequantize
-from . import native, probe
+from . import backends, native, probe
 
 
 # ------------------------------------------------------------------ reference
@@ -72,39 +73,54 @@ class _DevicePointer:
         return self.address
 
 
+def launch_torch(spec: backends.Backend, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+                 out: torch.Tensor, table_address: Optional[int] = None) -> None:
+    out.copy_(gather_dequant_ref(table, ids, lo, hi))
+
+
+def launch_triton(spec: backends.Backend, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+                  out: torch.Tensor, table_address: Optional[int] = None) -> None:
+    from .gather_triton import gather_dequant_triton
+
+    if table.device != ids.device and table.device.type == "cuda":
+        raise ValueError(f"engram gather: table on {table.device}, ids on {ids.device}")
+    words = None
+    if table.device.type == "cpu" and ids.is_cuda and table.numel():
+        words = _DevicePointer(table_pointer(table, table_address), torch.int64)
+    with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
+        gather_dequant_triton(table, ids, lo, hi, out, words=words)
+
+
+def launch_native_cpu(spec: backends.Backend, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+                      out: torch.Tensor, table_address: Optional[int] = None) -> None:
+    native.load(spec.name).gather(table.data_ptr() if table.numel() else 0, ids.data_ptr(), ids.element_size(),
+                                  ids.numel(), lo, hi, out.data_ptr(), torch.get_num_threads())
+
+
+def launch_native_gpu(spec: backends.Backend, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int,
+                      out: torch.Tensor, table_address: Optional[int] = None) -> None:
+    """The CUDA and HIP libraries: one ABI, launched on the caller's stream."""
+    lib = native.load(spec.name)
+    # The kernel stores 16 bytes at a time: a caller's odd view goes through a copy.
+    target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    with torch.cuda.device(ids.device):
+        stream = torch.cuda.current_stream(ids.device).cuda_stream
+        lib.gather(table_pointer(table, table_address), ids.data_ptr(), ids.element_size(), ids.numel(), lo, hi,
+                   target.data_ptr(), stream)
+    if target is not out:
+        out.copy_(target)
+
+
 def _launch(backend: str, table: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
             table_address: Optional[int] = None) -> None:
-    """Write out[n, 256] (contiguous bf16) for 1-D contiguous int32/int64 ids."""
-    n = ids.numel()
-    if n == 0:
+    """Write out[n, 256] (contiguous bf16) for 1-D contiguous int32/int64 ids, with the launcher
+    the backend table names."""
+    if ids.numel() == 0:
         return
-    if backend == "torch":
-        out.copy_(gather_dequant_ref(table, ids, lo, hi))
-    elif backend == "triton":
-        from .gather_triton import gather_dequant_triton
-
-        if table.device != ids.device and table.device.type == "cuda":
-            raise ValueError(f"engram gather: table on {table.device}, ids on {ids.device}")
-        words = None
-        if table.device.type == "cpu" and ids.is_cuda and table.numel():
-            words = _DevicePointer(table_pointer(table, table_address), torch.int64)
-        with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
-            gather_dequant_triton(table, ids, lo, hi, out, words=words)
-    elif backend == "cpu":
-        native.load("cpu").gather(table.data_ptr() if table.numel() else 0, ids.data_ptr(), ids.element_size(), n, lo, hi,
-                                  out.data_ptr(), torch.get_num_threads())
-    elif backend in ("cuda", "hip"):
-        lib = native.load(backend)
-        # The kernel stores 16 bytes at a time: a caller's odd view goes through a copy.
-        target = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
-        with torch.cuda.device(ids.device):
-            stream = torch.cuda.current_stream(ids.device).cuda_stream
-            lib.gather(table_pointer(table, table_address), ids.data_ptr(), ids.element_size(), n, lo, hi,
-                       target.data_ptr(), stream)
-        if target is not out:
-            out.copy_(target)
-    else:
+    spec = backends.BACKEND_TABLE.get(backend)
+    if spec is None:
         raise probe.BackendUnavailableError(f"engram gather: unknown backend {backend!r}")
+    spec.launcher()(spec, table, ids, lo, hi, out, table_address)
 
 
 def _resolve(backend: str, device: torch.device) -> str:
@@ -197,9 +213,9 @@ def gather_dequant(table: torch.Tensor, ids: torch.Tensor, *, out: Optional[torc
         The table holds only global rows [lo, hi) (a shard): table row i is global row lo + i,
         and ids outside the range come back as +0 rows. Default (0, R).
     backend : str
-        "auto" (the device probe's choice, or $ENGRAM_BACKEND), or one of "torch", "triton",
-        "cpu", "cuda", "hip"; an explicit backend that cannot run raises
-        BackendUnavailableError.
+        "auto" (the device probe's choice, or $ENGRAM_BACKEND), or a backend of the table in
+        ops/backends.py ("torch", "triton", "cpu", "cuda", "hip"); an explicit backend that
+        cannot run raises BackendUnavailableError.
     table_address : int, optional
         For a table in registered host memory: the device address the GPU runtime mapped its
         first row at (HostStore.table_address). GPU backends read the table by it; when it is

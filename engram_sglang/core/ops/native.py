@@ -17,10 +17,11 @@ from typing import Optional
 from .. import nativelibs
 from ..nativelibs import kernels_dir  # noqa: F401  (where tools look; docker/check-install.py)
 from . import gpu_runtime
+from .backends import native_libraries
 
 # Per library: the GPU launchers share one source and one ABI (kernels/cuda/engram_gather.cu).
 ABI_VERSION = {"cpu": 1, "cuda": 2, "hip": 2}
-LIB_NAMES = {"cpu": "libengram_cpu.so", "cuda": "libengram_cuda.so", "hip": "libengram_hip.so"}
+LIB_NAMES = native_libraries()  # backend -> its library, from the backend table (ops/backends.py)
 
 
 class NativeUnavailable(RuntimeError):

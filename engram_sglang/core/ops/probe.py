@@ -1,12 +1,13 @@
 """Device probe: read the device once, answer capability questions, pick the gather backend.
 
 Callers ask capabilities (`DeviceInfo.uva`, `.fp8`, `.warp_size`), never "am I on ROCm".
-The choice is native library built for this target > Triton > torch, logged as one line with
-the reasons the others were rejected. `ENGRAM_BACKEND` forces a backend: an explicit choice
-that cannot run raises; the automatic one falls back with a warning when the best backend for
-the device (its native library) is missing. Nothing happens at import: the device is read on
-the first question, and simulated devices (`cuda_device`, `hip_device`, `cpu_device`) let the
-tests ask for an H200 or an MI300X on a laptop.
+The backends, their preference order (native library built for this target > Triton > torch)
+and each one's reasons not to run are the table of ops/backends.py; the choice is logged as
+one line with the reasons the others were rejected. `ENGRAM_BACKEND` forces a backend: an
+explicit choice that cannot run raises; the automatic one falls back with a warning when the
+best backend for the device (its native library) is missing. Nothing happens at import: the
+device is read on the first question, and simulated devices (`cuda_device`, `hip_device`,
+`cpu_device`) let the tests ask for an H200 or an MI300X on a laptop.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..errors import EngramError
+from . import backends
 
 logger = logging.getLogger("engram_sglang.core.ops")
 
-BACKENDS = ("cuda", "hip", "cpu", "triton", "torch")  # also the preference order
+BACKENDS = backends.BACKENDS  # the table's names, in its preference order
 ENV_BACKEND = "ENGRAM_BACKEND"
 
 # gfx targets Triton's AMD backend compiles for (CDNA2-4, RDNA3-4).
@@ -186,7 +188,7 @@ def current_environment(device_kind: str) -> Environment:
 
     targets: dict[str, Optional[tuple[str, ...]]] = {}
     missing: dict[str, str] = {}
-    for kind in ("cpu", "cuda", "hip"):
+    for kind in backends.native_libraries():
         if kind != device_kind:
             targets[kind], missing[kind] = None, f"not loaded for a {device_kind} device"
             continue
@@ -214,33 +216,60 @@ def current_environment(device_kind: str) -> Environment:
 
 def rejection(backend: str, dev: DeviceInfo, env: Environment) -> str:
     """Why `backend` cannot serve `dev` ("" when it can)."""
-    if backend == "torch":
-        return ""
-    if backend == "triton":
-        if env.triton_error:
-            return env.triton_error
-        if dev.kind == "cpu":
-            return "" if env.triton_interpret else "Triton has no CPU backend (TRITON_INTERPRET=1 is for tests)"
-        if dev.kind == "hip" and dev.arch not in TRITON_GFX:
-            return f"Triton does not target {dev.arch}"
-        if dev.kind == "cuda" and not cuda_code_runs(["compute_75"], dev.arch):
-            return f"Triton needs sm_75 or later, device is {dev.arch}"
-        return ""
-    if backend not in ("cpu", "cuda", "hip"):
-        return f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)} or auto)"
-    if dev.kind != backend:
-        what = {"cpu": "a CPU", "cuda": "an NVIDIA GPU", "hip": "an AMD GPU"}[backend]
-        return f"needs {what}, device is {dev.kind}"
-    targets = env.native_targets.get(backend)
-    if targets is None:
-        return env.native_missing_reason.get(backend, f"libengram_{backend}.so not built (run `make kernels`)")
-    if backend == "cuda" and not cuda_code_runs(targets, dev.arch):
-        return f"libengram_cuda.so holds {' '.join(targets)}, none runs on {dev.arch}"
-    if backend == "hip" and dev.arch not in targets:
-        return f"libengram_hip.so has no code object for {dev.arch} (built: {' '.join(targets)})"
-    if not dev.simulated and backend != "cpu" and env.native_device_check is not None:
-        return env.native_device_check(backend, dev)
+    spec = backends.BACKEND_TABLE.get(backend)
+    if spec is None:
+        return f"unknown backend {backend!r} (choose from {', '.join(backends.preference_order())} or auto)"
+    return spec.rejection(dev, env)
+
+
+# ------------------------------------------------------------------ each backend's reasons (ops/backends.py names them)
+def triton_rejection(spec: backends.Backend, dev: DeviceInfo, env: Environment) -> str:
+    if env.triton_error:
+        return env.triton_error
+    if dev.kind == "cpu":
+        return "" if env.triton_interpret else "Triton has no CPU backend (TRITON_INTERPRET=1 is for tests)"
+    if dev.kind == "hip" and dev.arch not in TRITON_GFX:
+        return f"Triton does not target {dev.arch}"
+    if dev.kind == "cuda" and not cuda_code_runs(["compute_75"], dev.arch):
+        return f"Triton needs sm_75 or later, device is {dev.arch}"
     return ""
+
+
+def _library_targets(spec: backends.Backend, env: Environment) -> tuple[Optional[tuple[str, ...]], str]:
+    """(the targets its built library holds, "") or (None, why it is missing)."""
+    targets = env.native_targets.get(spec.name)
+    if targets is None:
+        return None, env.native_missing_reason.get(spec.name, f"{spec.native_lib} not built (run `make kernels`)")
+    return targets, ""
+
+
+def _device_check(spec: backends.Backend, dev: DeviceInfo, env: Environment) -> str:
+    """What the GPU library's runtime says of a real device (simulated devices have none to ask)."""
+    if not dev.simulated and env.native_device_check is not None:
+        return env.native_device_check(spec.name, dev)
+    return ""
+
+
+def cpu_library_rejection(spec: backends.Backend, dev: DeviceInfo, env: Environment) -> str:
+    return _library_targets(spec, env)[1]
+
+
+def cuda_library_rejection(spec: backends.Backend, dev: DeviceInfo, env: Environment) -> str:
+    targets, missing = _library_targets(spec, env)
+    if missing:
+        return missing
+    if not cuda_code_runs(targets, dev.arch):
+        return f"{spec.native_lib} holds {' '.join(targets)}, none runs on {dev.arch}"
+    return _device_check(spec, dev, env)
+
+
+def hip_library_rejection(spec: backends.Backend, dev: DeviceInfo, env: Environment) -> str:
+    targets, missing = _library_targets(spec, env)
+    if missing:
+        return missing
+    if dev.arch not in targets:
+        return f"{spec.native_lib} has no code object for {dev.arch} (built: {' '.join(targets)})"
+    return _device_check(spec, dev, env)
 
 
 @dataclass(frozen=True)
@@ -267,22 +296,26 @@ def choose(dev: DeviceInfo, env: Environment, requested: str = "auto") -> Choice
     """Pick the backend for `dev`. Raises BackendUnavailableError when `requested` is a
     backend that cannot run here."""
     requested = (requested or "auto").strip().lower()
-    reasons = {b: rejection(b, dev, env) for b in BACKENDS}
+    order = backends.preference_order()
+    reasons = {b: rejection(b, dev, env) for b in order}
     if requested != "auto":
-        if requested not in BACKENDS:
+        if requested not in reasons:
             raise BackendUnavailableError(
-                f"engram gather: unknown backend {requested!r} (choose from {', '.join(BACKENDS)} or auto)")
+                f"engram gather: unknown backend {requested!r} (choose from {', '.join(order)} or auto)")
         if reasons[requested]:
             raise BackendUnavailableError(
                 f"engram gather: backend {requested} was asked for but cannot run on {dev.describe()}: "
                 f"{reasons[requested]}")
         backend = requested
     else:
-        backend = next(b for b in BACKENDS if not reasons[b])
+        backend = next((b for b in order if not reasons[b]), None)
+        if backend is None:
+            raise BackendUnavailableError(f"engram gather: no backend can run on {dev.describe()}: "
+                                          + "; ".join(f"{b}: {r}" for b, r in reasons.items()))
     rejected = tuple((b, reasons[b] or ("not asked for" if requested != "auto" else "lower priority"))
-                     for b in BACKENDS if b != backend)
+                     for b in order if b != backend)
     # The device's own native library (cuda / hip / cpu) is the one it should use.
-    degraded = requested == "auto" and backend != dev.kind
+    degraded = requested == "auto" and bool(reasons.get(backends.native_backend(dev.kind)))
     return Choice(dev, backend, rejected, requested, degraded)
 
 
@@ -291,9 +324,9 @@ def log_choice(choice: Choice, announce: bool = True) -> None:
     """One line: INFO for the start-up choice, DEBUG for a caller's explicit backend, WARNING
     when the automatic choice had to fall back from the device's native library."""
     if choice.degraded:
-        why = dict(choice.rejected).get(choice.device.kind, "")
-        logger.warning("%s (the native %s backend cannot run: %s; falling back)", choice.line(),
-                       choice.device.kind, why)
+        native = backends.native_backend(choice.device.kind)
+        why = dict(choice.rejected).get(native, "")
+        logger.warning("%s (the native %s backend cannot run: %s; falling back)", choice.line(), native, why)
     else:
         logger.log(logging.INFO if announce else logging.DEBUG, "%s", choice.line())
 
