@@ -1,8 +1,8 @@
 """The wheel carries the host libraries' sources, not the libraries.
 
 build_py copies what engram_sglang/core/nativelibs.py needs to build libengram_cpu.so (host gather)
-and libengram_io.so (disk row reads) on first use into engram_sglang/_kernels: the sources,
-the shared decode header and kernels/host-flags.mk (the flags `make kernels` uses too). So the
+and libengram_rowio.so (disk row reads) on first use into engram_sglang/_kernels: the sources,
+the headers they include and kernels/host-flags.mk (the flags `make kernels` uses too). So the
 wheel stays pure Python (one wheel for every platform, no manylinux tagging), and the libraries
 are compiled by the machine that runs them. Editable installs skip the copy: the package then
 runs from the checkout and finds kernels/ (and build/kernels) beside itself.

@@ -25,7 +25,6 @@ Writes bench/out/gather.json and bench/out/gather.png.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -147,9 +146,7 @@ def cpu_bench(args) -> dict:
                 runs[f"portable x{t}"] = lambda ids, t=t: emulated(
                     table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, args.rows,
                     outs[tuple(ids.shape)].data_ptr(), t, 5)
-        raw = lib.lib.engram_cpu_gather_raw
-        raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        raw = lib.lib.engram_cpu_gather_raw  # bound by ops/native.py
         for t in (threads, 1):
             runs[f"raw x{t}"] = lambda ids, t=t: raw(table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, args.rows,
                                                      packed[tuple(ids.shape)].data_ptr(), t)

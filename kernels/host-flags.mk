@@ -4,4 +4,4 @@
 # No fast-math and no contraction (-ffp-contract=off): the decode must give the torch
 # reference's bits.
 ENGRAM_CPU_CXXFLAGS := -std=c++17 -O3 -fPIC -pthread -Wall -Wextra -fno-fast-math -ffp-contract=off
-ENGRAM_IO_CXXFLAGS := -std=c++17 -O2 -fPIC -pthread -fno-fast-math -Wall -Wextra -Wl,-z,defs
+ENGRAM_ROWIO_CXXFLAGS := -std=c++17 -O2 -fPIC -pthread -fno-fast-math -Wall -Wextra -Wl,-z,defs

@@ -12,9 +12,12 @@
 
 VENDOR ?= all
 KERNELS_OUT := build/kernels
-KERNEL_COMMON := kernels/common/engram_gather.h
 # One launcher source for both GPU vendors; compat.h renames CUDA calls to HIP's.
-KERNEL_GPU := kernels/cuda/engram_gather.cu kernels/cuda/compat.h kernels/cuda/vendor.h kernels/hip/vendor.h
+KERNEL_GPU := kernels/cuda/engram_gather.cu
+# Header dependencies come from the compiler, not hand-kept lists: every compile writes the
+# headers it read to a .d beside its output (-MP: a header deleted since is no error), and the
+# .d files are included below (mk/rowio.mk's rule uses the same flags).
+KERNEL_DEPFLAGS = -MMD -MP -MF $(basename $@).d -MT $@
 
 # Debian 12 defaults (scripts/setup-toolchain.sh installs them); the ROCm image points these
 # at its own toolchain (docker/Dockerfile.rocm).
@@ -85,25 +88,24 @@ kernels-hip: kernels-toolchain
 		echo "kernels: $(HIPCXX) or ROCm device libraries missing: skipping the HIP build (its tests skip)"; \
 	fi
 
-$(CPU_LIB): kernels/cpu/engram_gather.cpp kernels/cpu/engram_decode_avx512.h $(KERNEL_COMMON) \
-		kernels/common/engram_denormals.h kernels/host-flags.mk mk/kernels.mk
+$(CPU_LIB): kernels/cpu/engram_gather.cpp kernels/host-flags.mk mk/kernels.mk
 	@mkdir -p $(@D)
-	$(CXX) $(KERNEL_CXXFLAGS) -shared -o $@ $<
+	$(CXX) $(KERNEL_CXXFLAGS) $(KERNEL_DEPFLAGS) -shared -o $@ $<
 
 # -cudart shared: libcudart is NEEDED by soname, so the library runs on the copy torch loaded
 # (nvcc's default static runtime would be a second runtime in the process, with its own
 # context bookkeeping; ops/native.py checks the soname against the loaded one).
-$(CUDA_LIB): $(KERNEL_GPU) $(KERNEL_COMMON) mk/kernels.mk
+$(CUDA_LIB): $(KERNEL_GPU) mk/kernels.mk
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCC_FLAGS) -shared -cudart shared -DENGRAM_TARGETS='"$(CUDA_TARGETS)"' \
+	$(NVCC) $(NVCC_FLAGS) $(KERNEL_DEPFLAGS) -shared -cudart shared -DENGRAM_TARGETS='"$(CUDA_TARGETS)"' \
 		$(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
 		-gencode arch=compute_$(CUDA_PTX_ARCH),code=compute_$(CUDA_PTX_ARCH) -o $@ $<
 
 # PTX per arch, from the same source and flags, for the disassembly checks (this toolkit has
 # no cuobjdump/nvdisasm to read the SASS back).
-$(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: $(KERNEL_GPU) $(KERNEL_COMMON) mk/kernels.mk
+$(KERNELS_OUT)/cuda/engram_gather.sm_%.ptx: $(KERNEL_GPU) mk/kernels.mk
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCC_FLAGS) -ptx -arch=compute_$* -o $@ $<
+	$(NVCC) $(NVCC_FLAGS) $(KERNEL_DEPFLAGS) -ptx -arch=compute_$* -o $@ $<
 
 # Debian's ROCm device libraries stop at gfx940: a missing gfx942/gfx950 ISA-version bitcode is
 # made from the gfx940 one (only the version constant differs), next to links to the others.
@@ -120,9 +122,9 @@ $(HIP_BITCODE)/.stamp: mk/kernels.mk
 	done
 	touch $@
 
-$(HIP_OBJ): $(KERNEL_GPU) $(KERNEL_COMMON) $(HIP_BITCODE)/.stamp mk/kernels.mk
+$(HIP_OBJ): $(KERNEL_GPU) $(HIP_BITCODE)/.stamp mk/kernels.mk
 	@mkdir -p $(@D)
-	$(HIPCXX) $(HIP_FLAGS) -DENGRAM_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
+	$(HIPCXX) $(HIP_FLAGS) $(KERNEL_DEPFLAGS) -DENGRAM_TARGETS='"$(HIP_ARCHS)"' -c -o $@ $<
 
 # Left with undefined HIP symbols on purpose: they bind to the runtime torch loaded (see the
 # comment at the top of kernels/cuda/engram_gather.cu).
@@ -137,6 +139,8 @@ $(KERNELS_OUT)/hip/engram_gather.%.co: $(KERNELS_OUT)/hip/fatbin.bin
 	clang-offload-bundler$(LLVM_SUFFIX) --unbundle --type=o --input=$< \
 		--targets=hipv4-amdgcn-amd-amdhsa--$* --output=$@
 
+-include $(CPU_LIB:.so=.d) $(CUDA_LIB:.so=.d) $(CUDA_PTX:.ptx=.d) $(HIP_OBJ:.o=.d)
+
 kernels-clean:
-	rm -rf $(KERNELS_OUT)/libengram_cpu.so $(KERNELS_OUT)/libengram_cuda.so \
-		$(KERNELS_OUT)/libengram_hip.so $(KERNELS_OUT)/cuda $(KERNELS_OUT)/hip
+	rm -rf $(KERNELS_OUT)/libengram_cpu.* $(KERNELS_OUT)/libengram_cuda.* \
+		$(KERNELS_OUT)/libengram_hip.* $(KERNELS_OUT)/cuda $(KERNELS_OUT)/hip

@@ -12,7 +12,9 @@ faults: $(FAULTS_LIB)
 
 $(FAULTS_LIB): kernels/io/engram_faults.c mk/soak.mk
 	@mkdir -p $(dir $@)
-	$(CC) -std=gnu11 -O2 -fPIC -shared -pthread -Wall -Wextra -Wl,-z,defs -o $@ $< -ldl
+	$(CC) -std=gnu11 -O2 -fPIC -shared -pthread -Wall -Wextra -Wl,-z,defs $(KERNEL_DEPFLAGS) -o $@ $< -ldl
+
+-include $(FAULTS_LIB:.so=.d)
 
 TEST_PREREQS += faults
 

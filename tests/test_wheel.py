@@ -27,7 +27,7 @@ from engram_sglang.core.ops import native
 from engram_sglang.core.stores import rowio
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST_LIB = "libengram_io.so"  # the quicker of the two host builds (~2 s)
+HOST_LIB = "libengram_rowio.so"  # the quicker of the two host builds (~2 s)
 
 
 @pytest.fixture
@@ -113,12 +113,13 @@ def test_failed_build_names_its_log(nowhere, monkeypatch):
 
 def test_makefiles_and_first_use_build_share_the_flags():
     flags = nativelibs.read_flags(ROOT / "kernels" / "host-flags.mk")
-    for name in ("ENGRAM_CPU_CXXFLAGS", "ENGRAM_IO_CXXFLAGS"):
+    for name in ("ENGRAM_CPU_CXXFLAGS", "ENGRAM_ROWIO_CXXFLAGS"):
         assert "-fno-fast-math" in flags[name]
     assert "-ffp-contract=off" in flags["ENGRAM_CPU_CXXFLAGS"]
     mk = (ROOT / "mk" / "kernels.mk").read_text() + (ROOT / "mk" / "rowio.mk").read_text()
     assert "include kernels/host-flags.mk" in mk
-    assert "KERNEL_CXXFLAGS := $(ENGRAM_CPU_CXXFLAGS)" in mk and "$(CXX) $(ENGRAM_IO_CXXFLAGS) -shared" in mk
+    assert "KERNEL_CXXFLAGS := $(ENGRAM_CPU_CXXFLAGS)" in mk
+    assert "$(CXX) $(ENGRAM_ROWIO_CXXFLAGS) $(KERNEL_DEPFLAGS) -shared" in mk
     assert "-fno-fast-math -Wall -Wextra -Wl" not in mk  # no second copy of the flags
 
 
@@ -154,7 +155,7 @@ CHECK = textwrap.dedent("""
         assert store.backend == "cpu", store.backend
         assert torch.equal(rowformat.bf16_bits(got), rowformat.bf16_bits(want)), f"layer {L}: bits differ"
     print(json.dumps({"package": engram_sglang.__file__, "cpu": str(native.load("cpu").path),
-                      "io": rowio.library()._name}))
+                      "rowio": rowio.library()._name}))
 """)
 
 
@@ -204,5 +205,5 @@ def test_installed_wheel_gathers_from_disk_outside_the_repository(tmp_path):
     assert run.returncode == 0, f"seed {seed}: {run.stderr[-3000:]}"
     where = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(where["package"]).is_relative_to(_site_packages(venv))  # the installed copy, not the checkout
-    for lib in ("cpu", "io"):  # built on first use from the wheel's sources, into the cache
+    for lib in ("cpu", "rowio"):  # built on first use from the wheel's sources, into the cache
         assert Path(where[lib]).is_relative_to(tmp_path / "cache" / "engram-sglang"), where

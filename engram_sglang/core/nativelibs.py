@@ -7,7 +7,7 @@ disk tier's row reads), first hit wins:
 2. the repository's build/kernels, when the package runs from a checkout (`make kernels`,
    `make rowio`; editable installs);
 3. engram_sglang/_lib inside the installed package (for whoever prebuilds into it);
-4. host libraries only (libengram_cpu.so, libengram_io.so): a build on first use, from the
+4. host libraries only (libengram_cpu.so, libengram_rowio.so): a build on first use, from the
    sources the wheel carries (engram_sglang/_kernels, copied there by setup.py) with the
    flags of kernels/host-flags.mk, into $XDG_CACHE_HOME/engram-sglang/<version>-<digest>/.
 
@@ -33,11 +33,14 @@ _CHECKOUT = _PACKAGE.parent
 # library -> (its source, relative to the kernels directory; its flags in host-flags.mk)
 HOST_LIBS = {
     "libengram_cpu.so": ("cpu/engram_gather.cpp", "ENGRAM_CPU_CXXFLAGS"),
-    "libengram_io.so": ("io/engram_rowio.cpp", "ENGRAM_IO_CXXFLAGS"),
+    "libengram_rowio.so": ("io/engram_rowio.cpp", "ENGRAM_ROWIO_CXXFLAGS"),
 }
-# What the host builds read: their sources, the shared decode header, the flags.
-HOST_SOURCES = ("cpu/engram_gather.cpp", "cpu/engram_decode_avx512.h", "common/engram_gather.h",
-                "common/engram_denormals.h", "io/engram_rowio.cpp", "io/engram_disk_step.h",
+# What the host builds read: their sources, every header they include, the flags. The one list:
+# the wheel carries these (setup.py), the first-use build hashes them, and
+# tests/test_native_abi.py checks it against what the compiler reports the sources include.
+HOST_SOURCES = ("cpu/engram_gather.cpp", "cpu/engram_cpu_abi.h", "cpu/engram_decode_avx512.h",
+                "common/engram_gather.h", "common/engram_denormals.h", "common/engram_status.h",
+                "io/engram_rowio.cpp", "io/engram_rowio_abi.h", "io/engram_disk_step.h",
                 "io/engram_dram_policy.h", "io/engram_uring.h", "host-flags.mk")
 
 

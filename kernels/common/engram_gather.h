@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>  // memcpy: the host's well-defined float <-> bits cast
 
+#include "engram_status.h"
+
 // ------------------------------------------------------------------ compat
 // The only vendor switch in this header: host/device qualifiers and float<->bits casts.
 #if defined(__CUDACC__) || defined(__HIP__)
@@ -374,12 +376,12 @@ ENGRAM_HD void gather_dequant_rows(const uint8_t* __restrict__ table, const IdT*
     }
 }
 
-// Error codes shared by every launcher's extern "C" entry (vendor runtime errors are passed
-// through as their own positive codes).
+// Error codes shared by every launcher's extern "C" entry, by the values of the ABI's
+// engram_status.h (vendor runtime errors are passed through as their own positive codes).
 enum Status : int {
-    kOk = 0,
-    kBadArgument = -1,    // null pointer, n < 0, lo > hi, bad id width
-    kMisaligned = -2,     // table not 8-byte aligned or out not 16-byte aligned
+    kOk = ENGRAM_OK,
+    kBadArgument = ENGRAM_BAD_ARGUMENT,
+    kMisaligned = ENGRAM_MISALIGNED,
 };
 
 }  // namespace engram

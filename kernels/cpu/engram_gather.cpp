@@ -21,6 +21,7 @@
 
 #include "../common/engram_denormals.h"
 #include "../common/engram_gather.h"
+#include "engram_cpu_abi.h"
 #include "engram_decode_avx512.h"
 
 namespace {
@@ -401,31 +402,21 @@ int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64
 
 extern "C" {
 
-// Bumped when an entry point's signature or meaning changes; ops/native.py checks it.
-int engram_cpu_abi_version(void) { return 1; }
+// The entry points of engram_cpu_abi.h (their meaning is documented there).
+int engram_cpu_abi_version(void) { return ENGRAM_CPU_ABI_VERSION; }
 
 int engram_cpu_default_threads(void) { return default_threads(); }
 
-// The threads a gather of n rows runs on when asked for `threads` (<= 0: all usable cores).
 int engram_cpu_threads_for(int64_t n, int threads) { return threads_for(n, threads); }
 
-// Which row decode the production gather runs here: 1 the AVX-512 VBMI decode, 0 the portable
-// one (ISA clones of engram::dequant_row_host). For tests and benchmark reports.
 int engram_cpu_decode_avx512(void) { return g_avx512_decode ? 1 : 0; }
 
-// Gather rows `ids[0..n)` (int32 when id_bytes == 4, int64 when 8) of a packed table holding
-// global rows [lo, hi) and write bf16 bits to out[n][256]; ids outside [lo, hi) give +0 rows.
-// threads <= 0 means all usable cores (or ENGRAM_CPU_THREADS). Returns 0 or a negative
-// engram::Status.
 int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n,
                               int64_t lo, int64_t hi, uint16_t* out, int threads) {
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, 0);
 }
 
-// Test hook: the same gather through another path (enum Decoder above): 1 the host form with
-// gfx942's fnuz -> fn fix-up, 2 the GPU launchers' device form run thread by thread, 3 the
-// device form with the fix-up, 5 the portable host decode (what CPUs without AVX-512 VBMI
-// run). Conversion instructions are replaced by software decodes.
+// `decoder`: an enum Decoder value above (conversion instructions replaced by software decodes).
 int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes,
                                        int64_t n, int64_t lo, int64_t hi, uint16_t* out,
                                        int threads, int decoder) {
@@ -433,8 +424,6 @@ int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, in
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, decoder);
 }
 
-// Benchmark limit: the packed rows of `ids` copied to out[n][264] (+0 rows outside [lo, hi)),
-// by the production gather's loop and threads minus the decode.
 int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
                           int64_t hi, uint8_t* out, int threads) {
     return gather(table, ids, id_bytes, n, lo, hi, reinterpret_cast<uint16_t*>(out), threads, kRawRows);

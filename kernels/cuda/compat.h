@@ -25,7 +25,6 @@
 #endif
 
 
-// engram_cuda_<name> / engram_hip_<name>: the same entry points and signatures for both.
-#define ENGRAM_CAT2(a, b, c) a##b##c
-#define ENGRAM_CAT(a, b, c) ENGRAM_CAT2(a, b, c)
-#define ENGRAM_API(name) ENGRAM_CAT(engram_, ENGRAM_VENDOR, _##name)
+// engram_cuda_<name> / engram_hip_<name>: the same entry points and signatures for both, declared
+// once in the ABI header (ENGRAM_GPU_API names them for the vendor above).
+#include "engram_gpu_abi.h"

@@ -41,23 +41,18 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 extern "C" {
 
-// Bumped when an entry point's signature or meaning changes; ops/native.py checks it.
-// 2: one ABI for both vendors (HIP gained device_info and check_device's binary version).
-int ENGRAM_API(abi_version)(void) { return 2; }
+// The entry points of engram_gpu_abi.h (their meaning is documented there).
+int ENGRAM_GPU_API(abi_version)(void) { return ENGRAM_GPU_ABI_VERSION; }
 
-// Space-separated targets this library holds (sm_XY SASS and compute_XY PTX, or gfx targets).
-const char* ENGRAM_API(targets)(void) { return ENGRAM_TARGETS; }
+const char* ENGRAM_GPU_API(targets)(void) { return ENGRAM_TARGETS; }
 
-const char* ENGRAM_API(error_string)(int code) {
+const char* ENGRAM_GPU_API(error_string)(int code) {
     if (code == engram::kBadArgument) return "engram: bad argument";
     if (code == engram::kMisaligned) return "engram: table must be 8-byte and out 16-byte aligned";
     return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
-// Can the gather run on `device`? 0 when this library holds code for it, else the runtime's
-// error (no kernel image / no binary for the GPU, or no driver/device). binary_version gets the
-// version of the code that would run (CUDA: SASS version, e.g. 90), or 0.
-int ENGRAM_API(check_device)(int device, int* binary_version) {
+int ENGRAM_GPU_API(check_device)(int device, int* binary_version) {
     if (binary_version) *binary_version = 0;
     int prev = 0;
     cudaError_t err = cudaGetDevice(&prev);
@@ -74,10 +69,7 @@ int ENGRAM_API(check_device)(int device, int* binary_version) {
     return err;
 }
 
-// Device facts for the probe: out[0..6] = compute capability major, minor, warp size, unified
-// addressing, can use host pointer for registered memory, pageable memory access, can map host
-// memory. Returns 0 or the runtime's error.
-int ENGRAM_API(device_info)(int device, int* out) {
+int ENGRAM_GPU_API(device_info)(int device, int* out) {
     const cudaDeviceAttr attrs[7] = {
         cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
         cudaDevAttrWarpSize, cudaDevAttrUnifiedAddressing,
@@ -90,13 +82,7 @@ int ENGRAM_API(device_info)(int device, int* out) {
     return 0;
 }
 
-// Gather rows ids[0..n) (int32 when id_bytes == 4, int64 when 8) of a packed table holding
-// global rows [lo, hi) into out[n][256] (bf16 bits) on `stream`. `table` is device memory, or
-// the device address of registered host memory (what HostGetDevicePointer returned: on ROCm it
-// may differ from the host pointer); ids and out must be device-accessible. Ids outside
-// [lo, hi) give +0 rows. Asynchronous: returns 0 or the launch error; execution errors surface
-// at the next synchronization. A grid beyond the runtime's launch limit is a bad argument.
-int ENGRAM_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
+int ENGRAM_GPU_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
                                int64_t hi, void* out, void* stream) {
     if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
     if (n == 0) return 0;

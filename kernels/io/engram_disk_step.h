@@ -30,27 +30,27 @@
 #include "../common/engram_gather.h"
 #include "../cpu/engram_decode_avx512.h"
 #include "engram_dram_policy.h"
+#include "engram_rowio_abi.h"
 
 namespace engram_io {
 
-enum ReadMode : int32_t { kReadMapped = 0, kReadAio = 1, kReadPread = 2, kReadNone = 3 };
-enum StepStatus : int { kStepOk = 0, kStepUnread = 1, kStepBadArgument = -1, kStepAioUnavailable = -2 };
-
-// The store's file (ctypes structure of the same layout in stores/rowio.py).
-struct DiskFile {
-    int32_t fd, mode;        // a ReadMode; kReadNone: the caller reads the misses (tests, fallbacks)
-    int32_t threads, direct; // reads in flight; O_DIRECT file (pread mode)
-    int64_t data_offset;     // byte of row 0
-    const uint8_t* base;     // row 0 in the mapping (kReadMapped)
-    int64_t lo, hi;          // the shard's global rows
+// The ABI's modes, statuses and structures (engram_rowio_abi.h), by this code's names.
+enum ReadMode : int32_t {
+    kReadMapped = ENGRAM_READ_MAPPED,
+    kReadAio = ENGRAM_READ_AIO,
+    kReadPread = ENGRAM_READ_PREAD,
+    kReadNone = ENGRAM_READ_NONE,
 };
-
-struct StepResult {
-    int64_t unique;  // distinct ids of this shard (rows of `packed`)
-    int64_t misses;  // of them, not in the DRAM cache (positions in `missed`)
-    int64_t error;   // errno of a failed read, -1 short read / past the end, 0
-    int64_t failed;  // index into the misses of a failed read, else -1
+enum StepStatus : int {
+    kStepOk = ENGRAM_STEP_OK,
+    kStepUnread = ENGRAM_STEP_UNREAD,
+    kStepBadArgument = ENGRAM_STEP_BAD_ARGUMENT,
+    kStepAioUnavailable = ENGRAM_STEP_AIO_UNAVAILABLE,
 };
+static_assert(kStepAioUnavailable == ENGRAM_AIO_UNAVAILABLE, "the step passes the reads' code on");
+
+using DiskFile = engram_disk_file;
+using StepResult = engram_step_result;
 
 // Rows decoded per task, and below how many ids one thread does it all (as the host gather).
 constexpr int64_t kDecodeGrain = 64;

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "engram_rowio_abi.h"
+
 namespace engram_io {
 
 constexpr int64_t kSketchDepth = 4;
@@ -42,18 +44,8 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 // Indices of DramRowCache._state (dram_cache.py names the same positions).
 enum StateIndex : int { kClock = 0, kSinceAging, kAgings, kAhead, kLookups, kHits, kAdmitted, kRejected, kStateLen };
 
-// What the Python cache hands over (ctypes structure of the same layout in stores/rowio.py).
-struct DramCache {
-    uint8_t* rows;    // [slots, 264]
-    int64_t* tags;    // [slots], -1 empty
-    int64_t* last;    // [slots], clock of the last use
-    uint8_t* count;   // [slots]
-    uint8_t* sketch;  // [depth / 2, width]: 4-bit counters
-    int64_t* state;   // [kStateLen]
-    int64_t slots, ways, sets, sketch_width, sample;
-    int32_t frequency;  // 1: frequency admission, 0: LRU
-    int32_t pad_;
-};
+// What the Python cache hands over (engram_rowio_abi.h; stores/rowio.py's DramCacheView).
+using DramCache = engram_dram_cache;
 
 inline uint64_t mix64(int64_t id) {
     uint64_t z = static_cast<uint64_t>(id);

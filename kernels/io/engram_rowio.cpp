@@ -39,6 +39,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "engram_rowio_abi.h"
 #include "engram_uring.h"
 
 namespace {
@@ -95,10 +96,10 @@ void ensure_guard() {
 }
 
 // ------------------------------------------------------------------ worker pool
-// Threads of one call, at most (rowio.MAX_THREADS mirrors it; the Python side refuses more).
-// Past a few hundred reads in flight a disk gains nothing, and thousands of threads under a
-// memory limit fail to start.
-constexpr int kMaxThreads = 256;
+// Threads of one call, at most (the ABI's, which rowio.MAX_THREADS mirrors; the Python side
+// refuses more). Past a few hundred reads in flight a disk gains nothing, and thousands of
+// threads under a memory limit fail to start.
+constexpr int kMaxThreads = ENGRAM_ROWIO_MAX_THREADS;
 
 // Persistent threads: creating dozens of threads per decode step would cost more than the
 // rows. A call hands out work items through an atomic counter; the caller works too.
@@ -407,12 +408,12 @@ class ExtentReads {
 // finds them and does its other work between pumps.
 class AioReads : public ExtentReads {
   public:
-    // 0, or -2 (kStepAioUnavailable) when native AIO is unavailable here. Row i lands at
+    // 0, or ENGRAM_AIO_UNAVAILABLE when native AIO is unavailable here. Row i lands at
     // out + (where ? where[i] : i) * 264.
     int begin(int fd, int64_t data_offset, const int64_t* rows, uint8_t* out, const int64_t* where, int depth) {
         st_ = &aio_state();
         depth = std::max(1, std::min(depth, kMaxDepth));
-        if (!st_->ready(depth)) return -2;
+        if (!st_->ready(depth)) return ENGRAM_AIO_UNAVAILABLE;
         reset(fd, data_offset, rows, out, where, depth);
         cbs_.resize(static_cast<size_t>(st_->depth));
         queue_.resize(static_cast<size_t>(st_->depth));
@@ -509,7 +510,7 @@ class UringReads : public ExtentReads {
         static thread_local engram_io::Uring ring;
         ring_ = &ring;
         depth = std::max(1, std::min(depth, kMaxDepth));
-        if (!ring.ready(depth, kMaxExtent)) return -2;
+        if (!ring.ready(depth, kMaxExtent)) return ENGRAM_AIO_UNAVAILABLE;
         g_fixed_slots.store(ring.fixed_slots(), std::memory_order_relaxed);
         g_ring_slots.store(ring.depth, std::memory_order_relaxed);
         g_register_error.store(ring.register_error(), std::memory_order_relaxed);
@@ -617,9 +618,7 @@ class AsyncReads {
 
 extern "C" {
 
-// Copies rows[i] (i < n) of the mapped table at `base` (row 0's address) to out[i].
-// Returns 0, or 1 when a row faulted (SIGBUS: I/O error or a file truncated under the
-// mapping); *failed is then the smallest faulting index seen.
+// The entry points of engram_rowio_abi.h (their meaning is documented there).
 int engram_rowio_copy_mapped(const uint8_t* base, const int64_t* rows, int64_t n, uint8_t* out, int threads,
                              int64_t* failed) {
     ensure_guard();
@@ -653,9 +652,6 @@ int engram_rowio_copy_mapped(const uint8_t* base, const int64_t* rows, int64_t n
     return *failed >= 0 ? 1 : 0;
 }
 
-// Reads rows[i] (i < n) of the file `fd` (row 0 at byte `data_offset`) to out[i] with
-// `threads` reads in flight. Returns 0, an errno, or -1 for a short read; *failed is then
-// the index of a failed row.
 int engram_rowio_pread(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, int threads,
                        int direct, int64_t* failed) {
     std::atomic<int64_t> first{-1};
@@ -678,16 +674,13 @@ int engram_rowio_pread(int fd, int64_t data_offset, const int64_t* rows, int64_t
     return error.load();
 }
 
-// Reads rows[i] (i < n, ascending for merging) of an O_DIRECT file `fd` to out[i] by native
-// AIO, `depth` reads in flight. Returns 0, an errno, -1 for a short read (*failed = the row's
-// index), or -2 when native AIO is unavailable here (the caller falls back to pread).
 int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n, uint8_t* out, int depth,
                      int64_t* failed) {
     *failed = -1;
     if (n == 0) return 0;
     AsyncReads reads;
     auto none = [](int64_t, int64_t) {};
-    if (reads.begin(fd, data_offset, rows, out, nullptr, depth) != 0) return -2;
+    if (reads.begin(fd, data_offset, rows, out, nullptr, depth) != 0) return ENGRAM_AIO_UNAVAILABLE;
     reads.add(n, none);
     while (reads.pump(true, none)) {
     }
@@ -696,28 +689,17 @@ int engram_rowio_aio(int fd, int64_t data_offset, const int64_t* rows, int64_t n
     return reads.error();
 }
 
-// The most reads the calling thread's last engram_rowio_aio call had in flight (a test hook).
 int engram_rowio_last_peak(void) { return t_last_peak; }
 
-// The next `n` io_uring_enter calls with more than one read to submit ask the kernel for one
-// fewer (a test hook: a kernel that takes part of a batch).
 void engram_rowio_test_short_enters(int n) { engram_io::g_short_enters.store(n); }
-// The next `n` io_uring_enter calls that submit reads fail with EIO after the kernel took them
-// (a test hook: the ring is abandoned with reads in flight).
 void engram_rowio_test_fail_enters(int n) { engram_io::g_fail_enters.store(n); }
 
-// The ring of this process's last io_uring call: out[0] its buffer slots (0: none yet),
-// out[1] how many are registered (read by READ_FIXED), out[2] the errno that kept the rest
-// unregistered (ENOMEM: RLIMIT_MEMLOCK), 0 when none did.
 void engram_rowio_uring_buffers(int64_t* out) {
     out[0] = g_ring_slots.load(std::memory_order_relaxed);
     out[1] = g_fixed_slots.load(std::memory_order_relaxed);
     out[2] = g_register_error.load(std::memory_order_relaxed);
 }
 
-// The engine of O_DIRECT reads for this process: want 0 io_uring where available (the
-// default; ENGRAM_IO_ENGINE=aio makes it 1), 1 native AIO, -1 leaves it. Returns the setting,
-// or 2 when want is 0 and io_uring is unavailable here (reads use native AIO).
 int engram_rowio_engine(int want) {
     if (want == 0 || want == 1) g_engine.store(want);
     const int e = engine();
@@ -764,10 +746,7 @@ int read_misses(const DiskFile& f, const int64_t* rows, int64_t m, uint8_t* out,
 
 extern "C" {
 
-// One layer's step: see engram_disk_step.h. ids[n] any global ids; wanted[n], local[n],
-// missed[n] and packed[max(1, n)][264] are the caller's; cache may be null (no DRAM cache);
-// rows_out [n][256] bf16 bits, or null (a GPU decodes the packed rows). decode_threads <= 0:
-// every usable core (or ENGRAM_CPU_THREADS). Returns a StepStatus; *result is always set.
+// The native step of engram_rowio_abi.h (engram_disk_step.h says how it goes).
 int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cache, const int64_t* ids, int64_t n,
                      int64_t* wanted, int64_t* local, uint8_t* packed, int64_t* missed, uint16_t* rows_out,
                      int decode_threads, engram_io::StepResult* result) {
@@ -938,8 +917,6 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
     return kStepOk;
 }
 
-// The step's row decode (a test hook): want 0 the production one (AVX-512 where this CPU has
-// it), 1 the portable one, -1 leaves it. Returns 1 when the AVX-512 decode runs now, else 0.
 int engram_disk_step_decode(int want) {
     using namespace engram_io;
 #if ENGRAM_HAVE_AVX512_DECODE
@@ -949,7 +926,6 @@ int engram_disk_step_decode(int want) {
     return use_avx512_decode().load() ? 1 : 0;
 }
 
-// The layout of the structures above, checked by stores/rowio.py against its ctypes copies.
 int64_t engram_disk_step_layout(int what) {
     using namespace engram_io;
     switch (what) {

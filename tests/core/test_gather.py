@@ -8,7 +8,6 @@ Bits are compared as int16 with NaNs canonicalized: torch.equal is not a bit tes
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib
 import os
@@ -319,8 +318,7 @@ def test_host_threads_for_call_size():
     """One thread below 512 rows (a worker woken for less work joins too late to pay), never
     more threads than 64-row tasks, all usable cores for 0."""
     lib = cpu_lib().lib
-    threads_for = lib.engram_cpu_threads_for
-    threads_for.argtypes, threads_for.restype = [ctypes.c_int64, ctypes.c_int], ctypes.c_int
+    threads_for = lib.engram_cpu_threads_for  # bound by ops/native.py
     assert [threads_for(n, 2) for n in (1, 128, 511, 512, 6144)] == [1, 1, 1, 2, 2]
     assert threads_for(512, 64) == 8 and threads_for(6144, 1) == 1
     assert threads_for(1 << 20, 0) == lib.engram_cpu_default_threads()

@@ -17,8 +17,9 @@ from engram_sglang.core.stores import open_store, rowio
 
 def test_the_bound_is_one_number_everywhere():
     assert MAX_DISK_THREADS == rowio.MAX_THREADS == 256
-    src = (rowio.kernels_dir().parents[1] / "kernels" / "io" / "engram_rowio.cpp").read_text()
-    assert "constexpr int kMaxThreads = 256;" in src
+    io = rowio.kernels_dir().parents[1] / "kernels" / "io"
+    assert "#define ENGRAM_ROWIO_MAX_THREADS 256\n" in (io / "engram_rowio_abi.h").read_text()
+    assert "constexpr int kMaxThreads = ENGRAM_ROWIO_MAX_THREADS;" in (io / "engram_rowio.cpp").read_text()
 
 
 @pytest.mark.parametrize("threads", [0, -1, 257, 2000, True, 8.0, "8", None])

@@ -22,14 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from engram_sglang.core.ops import native
 from tests.core.test_gather import bits_of, exhaustive_table, expected_bits
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("ENGRAM_KERNELS_DIR", ROOT / "build" / "kernels"))
-COMMON = ROOT / "kernels" / "common" / "engram_gather.h"
+
+
+def kernel_sources(*folders: str) -> tuple[Path, ...]:
+    """Every file of these kernels/ folders: what a build may read (no hand list of headers to
+    forget; the make rules take theirs from the compiler)."""
+    return tuple(sorted(f for d in folders for f in (ROOT / "kernels" / d).iterdir() if f.is_file()))
+
+
+CPU_SOURCES = kernel_sources("cpu", "common")
 # One launcher source for both GPU vendors (CUDA calls renamed to HIP's in compat.h).
-GPU_SOURCES = tuple(ROOT / p for p in ("kernels/cuda/engram_gather.cu", "kernels/cuda/compat.h",
-                                       "kernels/cuda/vendor.h", "kernels/hip/vendor.h"))
+GPU_SOURCES = kernel_sources("cuda", "hip", "common")
 CUDA_ARCHS = (89, 90, 100, 120)
 HIP_ARCHS = ("gfx942", "gfx950")
 # LLVM tools as mk/kernels.mk names them: Debian's clang-22 packages, or the ROCm image's own.
@@ -42,7 +50,7 @@ def artifact(path: Path, *sources: Path, why_missing: str) -> Path:
     """The built file, skipping when it is absent and failing when older than its sources."""
     if not path.exists():
         pytest.skip(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} not built: {why_missing}")
-    for src in (COMMON, *sources):
+    for src in sources:
         if src.stat().st_mtime > path.stat().st_mtime:
             pytest.fail(f"{path.name} is older than {src.relative_to(ROOT)}: run `make kernels`")
     return path
@@ -61,16 +69,15 @@ def run(*cmd: str) -> str:
 
 # ------------------------------------------------------------------ host library
 def test_cpu_library_matches_reference(rng):
-    lib_path = artifact(OUT / "libengram_cpu.so", ROOT / "kernels/cpu/engram_gather.cpp",
+    lib_path = artifact(OUT / "libengram_cpu.so", *CPU_SOURCES,
                         why_missing="run `make kernels`")
     lib = ctypes.CDLL(str(lib_path))
+    native._bind("cpu", lib)  # the package's binding (tests/test_native_abi.py checks it against the ABI header)
     assert lib.engram_cpu_abi_version() == 1
     t = exhaustive_table(extra_rows=500, gen=rng)
     ids = torch.randint(-1, t.shape[0] + 1, (3000,), generator=rng)
     out = torch.empty((ids.numel(), 256), dtype=torch.bfloat16)
     fn = lib.engram_cpu_gather_dequant
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int]
     assert fn(t.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0, t.shape[0], out.data_ptr(), 2) == 0
     assert torch.equal(bits_of(out), expected_bits(t, ids, 0, t.shape[0]))
     assert fn(t.data_ptr(), ids.data_ptr(), 3, ids.numel(), 0, t.shape[0], out.data_ptr(), 2) == -1
@@ -78,7 +85,7 @@ def test_cpu_library_matches_reference(rng):
 
 def test_cpu_library_has_no_fast_math():
     """-ffast-math links crtfastmath, whose constructor turns on FTZ/DAZ for the process."""
-    lib = artifact(OUT / "libengram_cpu.so", why_missing="run `make kernels`")
+    lib = artifact(OUT / "libengram_cpu.so", *CPU_SOURCES, why_missing="run `make kernels`")
     symbols = run(tool("nm"), str(lib))
     assert "set_fast_math" not in symbols
 
@@ -123,12 +130,11 @@ def test_cuda_library_targets():
     code = f"""
         import ctypes
         import torch
+        from engram_sglang.core.ops import native
         lib = ctypes.CDLL({str(so)!r})
-        lib.engram_cuda_targets.restype = ctypes.c_char_p
-        lib.engram_cuda_error_string.restype = ctypes.c_char_p
+        native._bind("cuda", lib)
         print(lib.engram_cuda_abi_version(), lib.engram_cuda_targets().decode())
         f = lib.engram_cuda_gather_dequant
-        f.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
         buf = ctypes.create_string_buffer(1 << 16)
         addr = (ctypes.addressof(buf) + 15) // 16 * 16
         rc = f(addr, addr, 8, 4, 0, 10, addr, None)

@@ -50,6 +50,8 @@ class NativeLib:
 
 
 def _bind(kind: str, lib: ctypes.CDLL) -> None:
+    """The signatures of kernels/cpu/engram_cpu_abi.h or kernels/cuda/engram_gpu_abi.h (cuda, hip);
+    tests/test_native_abi.py checks them against those headers."""
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     getattr(lib, f"engram_{kind}_abi_version").restype = i32
     gather = getattr(lib, f"engram_{kind}_gather_dequant")
@@ -60,6 +62,10 @@ def _bind(kind: str, lib: ctypes.CDLL) -> None:
         lib.engram_cpu_gather_dequant_emulated.argtypes = [p, p, i32, i64, i64, i64, p, i32, i32]
         lib.engram_cpu_gather_dequant_emulated.restype = i32
         lib.engram_cpu_default_threads.restype = i32
+        lib.engram_cpu_threads_for.argtypes, lib.engram_cpu_threads_for.restype = [i64, i32], i32
+        lib.engram_cpu_decode_avx512.restype = i32
+        lib.engram_cpu_gather_raw.argtypes = [p, p, i32, i64, i64, i64, p, i32]
+        lib.engram_cpu_gather_raw.restype = i32
         return
     getattr(lib, f"engram_{kind}_targets").restype = ctypes.c_char_p
     getattr(lib, f"engram_{kind}_error_string").argtypes = [i32]

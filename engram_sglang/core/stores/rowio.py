@@ -16,7 +16,7 @@ from . import dram_cache
 from .dram_cache import STATE_FIELDS
 from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
-_LIB_NAME = "libengram_io.so"
+_LIB_NAME = "libengram_rowio.so"
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,20 +26,11 @@ def library() -> ctypes.CDLL:
     except nativelibs.NativeLibraryError as e:
         raise EngramError(f"native row I/O library: {e}") from None
     lib = ctypes.CDLL(str(path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.engram_rowio_copy_mapped.argtypes = [p, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
-    lib.engram_rowio_copy_mapped.restype = ctypes.c_int
-    lib.engram_rowio_pread.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(i64)]
-    lib.engram_rowio_pread.restype = ctypes.c_int
-    lib.engram_rowio_aio.argtypes = [ctypes.c_int, i64, p, i64, p, ctypes.c_int, ctypes.POINTER(i64)]
-    lib.engram_rowio_aio.restype = ctypes.c_int
-    lib.engram_rowio_engine.argtypes = [ctypes.c_int]
-    lib.engram_rowio_engine.restype = ctypes.c_int
-    lib.engram_disk_step.argtypes = [ctypes.POINTER(DiskFile), ctypes.POINTER(DramCacheView), p, i64, p, p, p, p, p,
-                                     ctypes.c_int, ctypes.POINTER(StepResult)]
-    lib.engram_disk_step.restype = ctypes.c_int
-    lib.engram_disk_step_layout.argtypes = [ctypes.c_int]
-    lib.engram_disk_step_layout.restype = i64
+    try:
+        _bind(lib)
+    except AttributeError as e:
+        raise EngramError(f"native row I/O library {path} lacks an entry point ({e}): rebuild it (`make rowio`)") \
+            from None
     # Structure sizes and the DRAM policy's array format: a library built from other sources
     # would otherwise read this package's arrays the old way (silently wrong counts, or a crash).
     built = [lib.engram_disk_step_layout(k) for k in range(8)]
@@ -51,9 +42,34 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _bind(lib) -> None:
+    """The signatures of kernels/io/engram_rowio_abi.h (tests/test_native_abi.py checks them
+    against it)."""
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.engram_rowio_copy_mapped.argtypes = [p, p, i64, p, i32, ctypes.POINTER(i64)]
+    lib.engram_rowio_copy_mapped.restype = i32
+    lib.engram_rowio_pread.argtypes = [i32, i64, p, i64, p, i32, i32, ctypes.POINTER(i64)]
+    lib.engram_rowio_pread.restype = i32
+    lib.engram_rowio_aio.argtypes = [i32, i64, p, i64, p, i32, ctypes.POINTER(i64)]
+    lib.engram_rowio_aio.restype = i32
+    lib.engram_rowio_last_peak.argtypes, lib.engram_rowio_last_peak.restype = [], i32
+    lib.engram_rowio_test_short_enters.argtypes, lib.engram_rowio_test_short_enters.restype = [i32], None
+    lib.engram_rowio_test_fail_enters.argtypes, lib.engram_rowio_test_fail_enters.restype = [i32], None
+    lib.engram_rowio_uring_buffers.argtypes, lib.engram_rowio_uring_buffers.restype = [ctypes.POINTER(i64)], None
+    lib.engram_rowio_engine.argtypes = [i32]
+    lib.engram_rowio_engine.restype = i32
+    lib.engram_disk_step.argtypes = [ctypes.POINTER(DiskFile), ctypes.POINTER(DramCacheView), p, i64, p, p, p, p, p,
+                                     i32, ctypes.POINTER(StepResult)]
+    lib.engram_disk_step.restype = i32
+    lib.engram_disk_step_decode.argtypes, lib.engram_disk_step_decode.restype = [i32], i32
+    lib.engram_disk_step_layout.argtypes = [i32]
+    lib.engram_disk_step_layout.restype = i64
+
+
 # ------------------------------------------------------------------ the native step
 # kernels/io/engram_disk_step.h: one call per layer and step (dedupe, DRAM-cache lookup, hits,
-# reads of the misses, admission, and on the CPU the decode). Same layouts as the C structures.
+# reads of the misses, admission, and on the CPU the decode). The codes and structures are
+# kernels/io/engram_rowio_abi.h's (engram_read_mode, engram_step_status, engram_disk_file, ...).
 READ_MAPPED, READ_AIO, READ_PREAD, READ_NONE = 0, 1, 2, 3
 STEP_OK, STEP_UNREAD, STEP_AIO_UNAVAILABLE = 0, 1, -2
 
@@ -107,7 +123,7 @@ def disk_step(file: DiskFile, cache: Optional[DramCacheView], ids: np.ndarray, w
 
 AIO_UNAVAILABLE = -2
 
-# Reads in flight per call, at most (kMaxThreads in engram_rowio.cpp, which clamps to it too):
+# Reads in flight per call, at most (ENGRAM_ROWIO_MAX_THREADS, which the library clamps to too):
 # a disk gains nothing past a few hundred, and thousands of threads under a memory limit
 # fail to start.
 MAX_THREADS = 256
@@ -161,7 +177,7 @@ def uring_buffers() -> tuple[int, int, int]:
     """The last io_uring ring set up in this process: (buffer slots, registered slots, errno that
     kept the rest unregistered or 0); (0, 0, 0) before any."""
     out = (ctypes.c_int64 * 3)()
-    library().engram_rowio_uring_buffers(ctypes.byref(out))
+    library().engram_rowio_uring_buffers(out)
     return int(out[0]), int(out[1]), int(out[2])
 
 
@@ -183,9 +199,7 @@ def step_decode(want: Optional[str] = None) -> str:
     codes = {None: -1, "auto": 0, "portable": 1}
     if want not in codes:
         raise EngramError(f"step decode must be 'auto' or 'portable', got {want!r}")
-    hook = library().engram_disk_step_decode
-    hook.argtypes, hook.restype = [ctypes.c_int], ctypes.c_int
-    return "avx512" if hook(codes[want]) == 1 else "portable"
+    return "avx512" if library().engram_disk_step_decode(codes[want]) == 1 else "portable"
 
 
 def copy_mapped(base_address: int, rows: np.ndarray, out: np.ndarray, threads: int) -> int:
