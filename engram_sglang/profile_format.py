@@ -39,8 +39,9 @@ def write_profile_rows(path: str | os.PathLike, cfg, layers: Mapping[int, Profil
     arrays = {}
     for layer_id, p in layers.items():
         counts = np.asarray(p.counts)
+        small = counts.size == 0 or counts.max() < 2**32
         arrays[f"ids_{layer_id}"] = np.asarray(p.ids).astype(np.int32 if p.rows < 2**31 else np.int64)
-        arrays[f"counts_{layer_id}"] = counts.astype(np.uint32 if counts.size == 0 or counts.max() < 2**32 else np.int64)
+        arrays[f"counts_{layer_id}"] = counts.astype(np.uint32 if small else np.int64)
         arrays[f"reads_{layer_id}"] = np.int64(p.reads)
         arrays[f"rows_{layer_id}"] = np.int64(p.rows)
     meta = {"fingerprint": cfg.fingerprint(), "hash_fields": cfg.hash_fields(), **meta}

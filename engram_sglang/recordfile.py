@@ -90,19 +90,22 @@ def write_record(path: str | os.PathLike, fmt: RecordFormat, arrays: Mapping[str
     body["format"] = fmt.tag
     entries[META] = np.frombuffer(json.dumps(body).encode(), dtype=np.uint8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    created = False
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         # O_EXCL: a name nobody else writes; 0o666 less the umask, as a plain open would give.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        created = True
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **entries)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        if created:
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
             raise fmt.error(f"{path}: cannot write the {fmt.label} file ({e.strerror or e})") from None
         raise
@@ -152,6 +155,9 @@ class Record:
 
     def close(self) -> None:
         self.data.close()
+        self._file.close()
+
+    def __del__(self) -> None:  # an unclosed record (a Profile left to the collector) closes its file
         self._file.close()
 
     def __enter__(self) -> "Record":
