@@ -3,8 +3,8 @@
 Text is tokenized with the model's tokenizer and hashed with its Engram config, served as
 DECODE_BATCH concurrent request streams (the corpus' tokens cut into equal streams, each
 hashed whole, one token per stream per decode step). The profile counts the reads of every
-row and writes the hottest rows with their counts (a compressed .npz that a hot-row cache
-pre-warms from, `HotRowCache(profile=...)`); it prints the skew: the share of reads served
+row and writes the hottest rows with their counts (a profile file, profile_format.py, that a
+hot-row cache pre-warms from, `HotRowCache(profile=...)`); it prints the skew: the share of reads served
 by the hottest 0.1%, 1% and 5% of rows, counted both of the table's rows and of the
 distinct rows the text touched, per layer and n-gram order, and the share of duplicate
 ids inside one decode batch.
@@ -13,13 +13,10 @@ ids inside one decode batch.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -31,13 +28,13 @@ from ..core.config import EngramConfig
 from ..core.errors import EngramError
 from ..core.fileio import open_regular
 from ..core.hashing import EngramLayout, NgramHasher
+from ..core.profile_format import ProfileLayer, write_profile_rows
+from ..core.profile_format import FORMAT, MAX_PROFILE_ROWS, Profile, read_profile  # noqa: F401  (re-exported)
 
 DECODE_BATCH = 256  # concurrent requests of a decode step, one token each
 SHARES = (0.001, 0.01, 0.05)  # hottest shares of rows reported
-FORMAT = "engram-profile-v1"
 MAX_STREAMS = 1 << 16
 MAX_TOKENS = 1 << 40
-MAX_PROFILE_ROWS = 1 << 32  # entries of one layer's arrays in a profile file
 
 
 # ------------------------------------------------------------------------ inputs
@@ -208,101 +205,12 @@ def top_rows(counts: torch.Tensor, keep_rows: int, min_count: int = 2) -> tuple[
 
 def write_profile(path: str | os.PathLike, cfg: EngramConfig, layers: list[LayerCounts], meta: dict,
                   keep_share: float = 0.05) -> Path:
-    """A compressed .npz: per layer `ids_L` (int32 when rows fit) and `counts_L` of the
-    hottest rows, `reads_L` and `rows_L`; `meta` (JSON) with the config fingerprint."""
-    path = Path(path)
-    arrays = {}
+    """The profile file (profile_format.py) of the hottest `keep_share` of each layer's rows."""
+    hottest = {}
     for lc in layers:
         ids, counts = top_rows(lc.counts, max(1, int(keep_share * lc.rows)))
-        arrays[f"ids_{lc.layer_id}"] = ids.astype(np.int32 if lc.rows < 2**31 else np.int64)
-        arrays[f"counts_{lc.layer_id}"] = counts.astype(np.uint32 if counts.size == 0 or counts.max() < 2**32 else np.int64)
-        arrays[f"reads_{lc.layer_id}"] = np.int64(lc.counts.sum(dtype=torch.int64))
-        arrays[f"rows_{lc.layer_id}"] = np.int64(lc.rows)
-    meta = {"format": FORMAT, "fingerprint": cfg.fingerprint(), "hash_fields": cfg.hash_fields(), **meta}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    try:
-        if path.is_dir():
-            raise IsADirectoryError(21, "is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise EngramError(f"{path}: cannot write the profile ({e.strerror or e})") from None
-    return path
-
-
-class Profile:
-    """A profile file: `layer(L)` -> (row ids by count descending, counts, total reads)."""
-
-    def __init__(self, path: Path, data, meta: dict):
-        self.path, self._data, self.meta = path, data, meta
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return sorted(int(k[4:]) for k in self._data.files if k.startswith("ids_"))
-
-    def layer(self, layer_id: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """(row ids >= 0, their counts, total reads) of one layer, each array's shape and type
-        checked before it is read (a broken or hostile file is one line, never a huge read)."""
-        if f"ids_{layer_id}" not in self._data.files:
-            raise EngramError(f"{self.path}: no rows of Engram layer {layer_id} (profiled layers: {self.layer_ids})")
-        where = f"{self.path}: layer {layer_id}"
-        try:
-            n = None
-            for key in (f"ids_{layer_id}", f"counts_{layer_id}"):
-                shape, dtype = self._header(key)
-                if len(shape) != 1 or dtype.kind not in "iu" or shape[0] > MAX_PROFILE_ROWS or n not in (None, shape[0]):
-                    raise EngramError(f"{where}: {key} must be integers [n] (n the same for ids and counts, at most "
-                                      f"2^32), found {dtype} {list(shape)}")
-                n = shape[0]
-            shape, dtype = self._header(f"reads_{layer_id}")
-            if shape != () or dtype.kind not in "iu":
-                raise EngramError(f"{where}: reads_{layer_id} must be one integer, found {dtype} {list(shape)}")
-            ids = self._data[f"ids_{layer_id}"].astype(np.int64)
-            counts = self._data[f"counts_{layer_id}"].astype(np.int64)
-            reads = int(self._data[f"reads_{layer_id}"])
-        except KeyError as e:
-            raise EngramError(f"{where}: missing array {e}") from None
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-            raise EngramError(f"{where}: unreadable ({type(e).__name__}: {str(e)[:100]})") from None
-        if n and int(ids.min()) < 0:
-            raise EngramError(f"{where}: row id {int(ids.min())} is negative")
-        return ids, counts, reads
-
-    def _header(self, key: str):
-        """(shape, dtype) of one array of the file, from its .npy header alone."""
-        with self._data.zip.open(f"{key}.npy") as f:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, dtype = read(f)
-        return shape, dtype
-
-
-def read_profile(path: str | os.PathLike, fingerprint: Optional[str] = None) -> Profile:
-    """Open a profile file; with `fingerprint`, refuse one made for another Engram config."""
-    path = Path(path)
-    try:
-        os.close(open_regular(path, EngramError, "profile file"))  # a FIFO would block np.load
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError("a single array, not an .npz archive")
-        if data.zip.getinfo("meta.npy").file_size > 1 << 24:
-            raise ValueError("its meta entry is over 16 MiB")
-        meta = json.loads(bytes(data["meta"]).decode())
-    except FileNotFoundError:
-        raise EngramError(f"{path}: no such profile file") from None
-    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error, RecursionError) as e:
-        raise EngramError(f"{path}: not an engram profile ({type(e).__name__}: {str(e)[:100]})") from None
-    if not isinstance(meta, dict):
-        raise EngramError(f"{path}: not an engram profile (its meta is {type(meta).__name__}, not an object)")
-    if meta.get("format") != FORMAT:
-        raise EngramError(f"{path}: not an engram profile (format {meta.get('format')!r}, want {FORMAT})")
-    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
-        raise EngramError(f"{path}: profiled for Engram config {meta.get('fingerprint')}, but the tables are built "
-                          f"for {fingerprint}: its row ids mean other n-grams; profile again with this model")
-    return Profile(path, data, meta)
+        hottest[lc.layer_id] = ProfileLayer(ids, counts, int(lc.counts.sum(dtype=torch.int64)), lc.rows)
+    return write_profile_rows(path, cfg, hottest, meta)
 
 
 # ------------------------------------------------------------------------ report

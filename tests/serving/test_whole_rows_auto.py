@@ -80,3 +80,27 @@ def test_the_flag_takes_auto_on_and_off():
         assert ServeSettings.from_env({"ENGRAM_HOST_WHOLE_ROWS": raw}).host_whole_rows == want
     with pytest.raises(Exception, match=r"ENGRAM_HOST_WHOLE_ROWS \(--engram-host-whole-rows\) must be on/off .*or auto"):
         ServeSettings.from_env({"ENGRAM_HOST_WHOLE_ROWS": "sometimes"})
+
+
+def test_start_up_uses_the_planners_arithmetic_not_its_command_or_report():
+    """`auto` at start-up imports the planning modules that hold the arithmetic, never the
+    planner's command line (engram_sglang.tools.planner) or its text report (planning.report):
+    those are tools. A fresh process, so that this test session's imports do not count."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import json, sys\n"
+            "from engram_sglang.core.config import EngramConfig\n"
+            "from engram_sglang.serving.whole_rows_auto import choose\n"
+            "choose(cfg=EngramConfig.from_preset('deepseek-v4.1-flash'), tp=4, device_name='NVIDIA H200')\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('engram_sglang.core.planning', 'engram_sglang.tools')))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "engram_sglang.core.planning.whole_rows" in loaded  # the control: what `choose` imports is seen
+    assert "engram_sglang.tools.planner" not in loaded and "engram_sglang.tools.planner_report" not in loaded

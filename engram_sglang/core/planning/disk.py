@@ -27,18 +27,18 @@ import os
 import shutil
 import subprocess
 import time
-import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..errors import EngramError
+from ..recordfile import RecordFormat, read_record, write_record
 from ..rowformat import ROW_BYTES
 from .data import GIB, PlannerError, bounded
 
-TRACE_FORMAT = "engram-trace-v1"
+TRACE = RecordFormat("engram-trace", 1, "trace", PlannerError,
+                     " (write one with engram-sglang profile ... --trace FILE)")
+TRACE_FORMAT = TRACE.tag
 MAX_IOPS = 1e9
 MAX_LEAD_MS = 1e6
 MAX_BATCH = 1 << 16
@@ -56,56 +56,37 @@ DEFAULT_LATENCY_MS = 0.1  # one 4 KiB random read on a datacenter NVMe SSD at lo
 
 # ------------------------------------------------------------------------ traces
 def write_trace(path: str | os.PathLike, fingerprint: str, ids_by_layer: dict[int, np.ndarray], meta: dict) -> Path:
-    """A trace file (.npz): per Engram layer `ids_L` [steps, streams, columns] (decode order:
-    step s holds token s of every stream) and `meta` (JSON: format, config fingerprint)."""
-    path = Path(path)
+    """A trace file (a record file, recordfile.py): per Engram layer `ids_L` [steps, streams,
+    columns] (decode order: step s holds token s of every stream) and `meta` (format, config
+    fingerprint)."""
     arrays = {}
     for layer_id, ids in ids_by_layer.items():
         small = ids.size == 0 or int(ids.max()) < 2**31
         arrays[f"ids_{layer_id}"] = ids.astype(np.int32 if small else np.int64)
-    meta = {"format": TRACE_FORMAT, "fingerprint": fingerprint, **meta}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise EngramError(f"{path}: cannot write the trace ({e.strerror or e})") from None
-    return path
+    return write_record(path, TRACE, arrays, {"fingerprint": fingerprint, **meta})
 
 
 def read_trace(path: str | os.PathLike, fingerprint: Optional[str] = None) -> tuple[dict[int, np.ndarray], dict]:
     """(layer id -> int64 ids [steps, streams, columns], meta) of a trace file; with
     `fingerprint`, a trace of another Engram config is refused (its ids mean other rows)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PlannerError(f"{path}: no such trace file (write one with engram-sglang profile ... --trace FILE)")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile) or "meta" not in data.files:
-                raise ValueError("no meta entry")
-            meta = json.loads(bytes(data["meta"]).decode())
-            if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
-                raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-            layers = {int(k[4:]): data[k] for k in data.files if k.startswith("ids_")}
-    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, zlib.error) as e:
-        raise PlannerError(f"{path}: not an engram trace, want {TRACE_FORMAT} ({type(e).__name__}: "
-                           f"{str(e)[:80]})") from None
-    if fingerprint is not None and meta.get("fingerprint") != fingerprint:
-        raise PlannerError(f"{path}: traced with Engram config {meta.get('fingerprint')}, the model's is {fingerprint}: "
-                           f"its row ids mean other n-grams; trace again with this model")
-    out = {}
-    for L, ids in layers.items():
-        if ids.ndim != 3 or ids.dtype.kind not in "iu" or ids.shape[0] < 2 or ids.shape[1] < 1:
-            raise PlannerError(f"{path}: layer {L}: ids must be integers [steps >= 2, streams, columns], "
-                               f"found {ids.dtype} {list(ids.shape)}")
-        if ids.size and int(ids.min()) < 0:
-            raise PlannerError(f"{path}: layer {L}: row id {int(ids.min())} is negative")
-        out[L] = ids.astype(np.int64)
+    with read_record(path, TRACE) as record:
+        meta = record.meta
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            raise PlannerError(f"{record.path}: traced with Engram config {meta.get('fingerprint')}, the model's is "
+                               f"{fingerprint}: its row ids mean other n-grams; trace again with this model")
+        out = {}
+        for L in record.numbered("ids_"):
+            where = f"{record.path}: layer {L}"
+            shape, dtype = record.header(f"ids_{L}", where)
+            if len(shape) != 3 or dtype.kind not in "iu" or shape[0] < 2 or shape[1] < 1:
+                raise PlannerError(f"{where}: ids must be integers [steps >= 2, streams, columns], "
+                                   f"found {dtype} {list(shape)}")
+            ids = record.array(f"ids_{L}", where)
+            if ids.size and int(ids.min()) < 0:
+                raise PlannerError(f"{where}: row id {int(ids.min())} is negative")
+            out[L] = ids.astype(np.int64)
     if not out:
-        raise PlannerError(f"{path}: the trace holds no layer")
+        raise PlannerError(f"{record.path}: the trace holds no layer")
     return out, meta
 
 

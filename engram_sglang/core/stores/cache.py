@@ -283,10 +283,13 @@ class HotRowCache(TableStore):
 
     def prewarm(self, profile: str | os.PathLike, fingerprint: Optional[str] = None) -> int:
         """Fill the cache with this layer's hottest profiled rows. Returns the rows added."""
-        from ...tools.profiling import read_profile
+        from ..profile_format import read_profile
 
         prof = read_profile(profile, fingerprint)
-        ids, counts, _ = prof.layer(self.layer_id)
+        try:
+            ids, counts, _ = prof.layer(self.layer_id)
+        finally:
+            prof.close()
         lo, hi = self.row_range
         if ids.size and int(ids.max()) >= self.rows:
             raise EngramError(f"{profile}: layer {self.layer_id} row {int(ids.max())} is outside the table's "

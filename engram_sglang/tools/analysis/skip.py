@@ -9,7 +9,6 @@ the token's key, so the gate of its other rows moves: the measurement includes t
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -17,12 +16,16 @@ from typing import Sequence
 import numpy as np
 
 from ...core.errors import EngramError
+from ...core.recordfile import RecordFormat, read_record, write_record
 
-FORMAT = "engram-gate-stats-v1"
+GATE_STATS = RecordFormat("engram-gate-stats", 1, "gate-statistics",
+                          missing_hint=" (engram-sglang scan --gate-stats writes one)")
+FORMAT = GATE_STATS.tag
 
 
 def write_gate_stats(path: str | os.PathLike, corpus, layer_ids: Sequence[int], fingerprint: str, meta: dict) -> Path:
-    """Per Engram layer: the rows the corpus read (sorted), their mean gate and read count."""
+    """Per Engram layer: the rows the corpus read (sorted), their mean gate and read count
+    (a record file, recordfile.py; `.npz` is appended to a name without it, as numpy does)."""
     arrays = {}
     for i, L in enumerate(layer_ids):
         flat = corpus.hash_ids[:, i, :].reshape(-1)
@@ -31,32 +34,20 @@ def write_gate_stats(path: str | os.PathLike, corpus, layer_ids: Sequence[int], 
         arrays[f"rows_{L}"] = rows.astype(np.int64)
         arrays[f"gate_{L}"] = (np.bincount(inv.reshape(-1), weights=g, minlength=len(rows)) / reads).astype(np.float32)
         arrays[f"reads_{L}"] = reads.astype(np.int64)
-    meta = {"format": FORMAT, "fingerprint": fingerprint, **meta}
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     path = Path(path)
-    try:
-        np.savez_compressed(path, **arrays)
-    except OSError as e:
-        raise EngramError(f"{path}: cannot write the gate statistics ({e.strerror})") from None
-    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+    path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+    return write_record(path, GATE_STATS, arrays, {"fingerprint": fingerprint, **meta})
 
 
 def read_gate_stats(path: str | os.PathLike, fingerprint: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """layer id -> (rows, mean gate) of a gate-statistics file made for this Engram config."""
-    path = Path(path)
-    try:
-        data = np.load(path, allow_pickle=False)
-        meta = json.loads(bytes(data["meta"]).decode())
-        layers = sorted(int(k[5:]) for k in data.files if k.startswith("rows_"))
-        out = {L: (data[f"rows_{L}"].astype(np.int64), data[f"gate_{L}"].astype(np.float32)) for L in layers}
-    except FileNotFoundError:
-        raise EngramError(f"{path}: no such gate-statistics file (engram-sglang scan --gate-stats writes one)") from None
-    except (OSError, ValueError, KeyError, EOFError) as e:
-        raise EngramError(f"{path}: not a gate-statistics file ({type(e).__name__}: {str(e)[:100]})") from None
-    if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint:
-        raise EngramError(f"{path}: gate statistics {meta.get('format')} for config {meta.get('fingerprint')}, "
-                          f"want {FORMAT} for {fingerprint}")
-    return out
+    with read_record(path, GATE_STATS) as record:
+        meta = record.meta
+        if meta.get("fingerprint") != fingerprint:
+            raise EngramError(f"{record.path}: gate statistics {meta.get('format')} for config "
+                              f"{meta.get('fingerprint')}, want {FORMAT} for {fingerprint}")
+        return {L: (record.array(f"rows_{L}").astype(np.int64), record.array(f"gate_{L}").astype(np.float32))
+                for L in record.numbered("rows_")}
 
 
 def skipped_rows(stats: dict[int, tuple[np.ndarray, np.ndarray]], threshold: float) -> dict[int, np.ndarray]:
