@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
+from ..config import DEFAULT_TABLE_DIR
 from ..placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..placement_table import placement as placement_spec
 from ..errors import EngramConfigError
@@ -41,7 +42,7 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("table-dir", "str", None, "packed table directory (default: MODEL_PATH/engram_tables)"),
+    Knob("table-dir", "str", None, f"packed table directory (default: MODEL_PATH/{DEFAULT_TABLE_DIR})"),
     Knob("placement", "choice", "device", "where the tables live: device memory, host memory, or disk",
          PLACEMENTS),
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
