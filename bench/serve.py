@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.common import OUT, print_table, write_json  # noqa: E402
 
+from engram_sglang.core.config import DEFAULT_TABLE_DIR  # noqa: E402
 from engram_sglang.tools.demo.run import demo_model  # noqa: E402
 from engram_sglang.serving.launch import Server  # noqa: E402
 
@@ -55,7 +56,7 @@ def engram_flags(placement: str, model_dir: Path, args) -> dict:
         key, _, value = option.partition("=")
         if name != "disk" or key != "dram":
             raise SystemExit(f"unknown placement spec {placement!r} (expected e.g. disk:dram=0.01)")
-        table_bytes = sum(f.stat().st_size for f in (model_dir / "engram_tables").glob("*.rows"))
+        table_bytes = sum(f.stat().st_size for f in (model_dir / DEFAULT_TABLE_DIR).glob("*.rows"))
         engram["disk_direct"] = "on"
         if float(value) > 0:
             engram["disk_dram_cache_mib"] = max(1, round(float(value) * table_bytes / 2**20))
@@ -74,7 +75,7 @@ def run_placement(model_dir: Path, placement: str, passes: list[list[list[int]]]
     fastest counts. Plain `disk` is warm disk: its files are read into the page cache first."""
     engram = engram_flags(placement, model_dir, args)
     if engram["placement"] == "disk" and "disk_direct" not in engram:
-        for f in (model_dir / "engram_tables").glob("*.rows"):  # warm disk: the tables in the page cache
+        for f in (model_dir / DEFAULT_TABLE_DIR).glob("*.rows"):  # warm disk: the tables in the page cache
             with open(f, "rb") as fh:
                 while fh.read(64 << 20):
                     pass

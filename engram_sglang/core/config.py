@@ -35,6 +35,10 @@ MAX_VOCAB = 1 << 32  # vocab_size (where the prime search starts) and compressed
 MAX_HEAD_DIM = 1 << 16
 MAX_CONFIG_BYTES = 16 << 20  # a config.json larger than this is not a model config
 
+# A model directory's packed tables, where no table directory is given (--engram-table-dir,
+# a tool's --table-dir): the name serving reads and the demo writes.
+DEFAULT_TABLE_DIR = "engram_tables"
+
 
 def configs_dir() -> Path:
     """The repository's `configs/` folder (override with ENGRAM_CONFIGS_DIR)."""

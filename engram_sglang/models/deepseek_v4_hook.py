@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -148,82 +147,23 @@ def runtime_of(hasher):
 
 def process_runtime(*, settings=None, model_path: Optional[str] = None, device=None, parallel=None):
     """This process's EngramRuntime for DeepSeek-V4.1's tables (opened on the first Engram
-    layer, shared by the others), or None when no table directory is configured and
-    MODEL_PATH/engram_tables is absent."""
-    from ..core.config import EngramConfig
-    from ..serving.graphs import check_capturable
-    from ..serving.modes import modes_in_use
-    from ..serving.runtime import EngramRuntime, active_runtimes
+    layer, shared by the others: serving/startup.py), or None when no table directory is
+    configured and the model directory has none (upstream's own tables serve)."""
     from ..serving.settings import ServeSettings
-    from ..core.tablefile import open_tables
+    from ..serving.startup import open_runtime, resolve_table_dir
 
     settings = settings or ServeSettings.from_env()
-    if settings.table_dir:
-        table_dir = Path(settings.table_dir)
-    elif model_path and (Path(model_path) / "engram_tables").is_dir():
-        table_dir = Path(model_path) / "engram_tables"
-    else:
+    table_dir = resolve_table_dir(settings, model_path, required=False)
+    if table_dir is None:
         return None
     if settings.disk_graphs:
         # Staged rows are filled before each replay from our StepHasher's peek at the step's ids;
         # upstream's hasher, which DeepSeek-V4.1 keeps (its hash is the checkpoint's), has none.
         raise EngramError("--engram-disk-graphs on serves the Qwen3 Engram family; DeepSeek-V4.1 hashes with "
                           "upstream's EngramHasher, whose ids cannot be staged before a replay: start without it")
-    tp_rank, tp_size = rank_rows(settings, parallel)
-    device = torch.device(device if device is not None else torch.get_default_device())
-    key = (str(table_dir), settings.placement, str(device), tp_rank, tp_size)
-    for runtime in active_runtimes():
-        if getattr(runtime, "hook_key", None) == key:
-            return runtime
-    try:
-        if model_path and (Path(model_path) / "config.json").is_file():
-            cfg = EngramConfig.from_pretrained(model_path)
-        else:  # the tables' own config (tests, a model directory without one)
-            cfg = open_tables(table_dir).config
-        runtime = EngramRuntime(cfg, None, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
-        try:
-            check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
-                             modes=modes_in_use(settings))
-            private = sorted(L for L, s in runtime.stores.items() if not s.node_shared)
-            if tp_size < parallel.tp_size and private:
-                # Each rank would keep a whole private copy: TP x the tables in anonymous memory.
-                raise EngramError(
-                    f"attention data/context parallelism reads whole rows from the node's shared copy, but layer(s) "
-                    f"{private} fell back to a private copy ({settings.shm_dir} has too little free space, see the "
-                    f"warning above): give Docker --shm-size or --ipc=host, or free {settings.shm_dir}")
-            if modes_in_use(settings) and tp_size < parallel.tp_size and parallel.attn_cp_size > 1:
-                raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
-                                  "parallel rank's slice of the prompt: start without attention context parallelism")
-        except EngramError:
-            runtime.close()
-            raise
-    except EngramError as e:
-        logger.error("engram-sglang: %s", e)
-        raise
-    runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
-    runtime.context_parallel = tp_size < parallel.tp_size and parallel.attn_cp_size > 1  # lookups of a slice
-    return runtime
-
-
-def rank_rows(settings, parallel) -> tuple[int, int]:
-    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
-    context parallelism the TP ranks look up different tokens, so no sum over them can
-    reassemble rows: every rank opens the tables whole (tp_size 1: no collective, whatever
-    the other ranks hold) where the placement table says its options give whole rows (the
-    node's shared host copy), or the start is refused."""
-    from ..core.placement_table import WHOLE, placement
-
-    if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
-        return parallel.tp_rank, parallel.tp_size
-    # --engram-host-whole-rows auto counts as on here: the one layout these ranks can serve.
-    if placement(settings.placement).rows_held(settings.store_options()) != WHOLE:
-        raise EngramError(
-            f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
-            f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
-            f"use --engram-placement host --engram-host-shared on --engram-host-whole-rows on (one copy per node, no "
-            f"collective); placement {settings.placement} with these options shards rows over ranks, which would need "
-            f"every rank's ids per layer (not supported)")
-    return 0, 1
+    # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
+    return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
+                        attention_parallel=True, per_process=True)
 
 
 def patch_engram_module(module) -> None:

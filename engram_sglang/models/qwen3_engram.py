@@ -267,35 +267,19 @@ class Qwen3EngramForCausalLM(nn.Module):
 
 
 def _build_runtime(cfg: EngramConfig, settings):
-    """Open the tables and the hasher; configuration errors surface here, as one line."""
+    """Open the tables and the hasher (serving/startup.py); configuration errors surface there, as one line."""
     from sglang.srt.runtime_context import get_model, get_serving
 
-    from ..core.hashing import NgramHasher
-    from ..serving.graphs import check_capturable
-    from ..serving.modes import modes_in_use
-    from ..serving.runtime import EngramRuntime, resolve_table_dir
+    from ..serving.startup import open_runtime
 
     try:
         model_path = get_model().model_path
         tokenizer_path = get_serving().tokenizer_path or model_path
     except (AttributeError, ValueError):
         raise EngramError("Qwen3EngramForCausalLM must be built inside SGLang (no model path published)") from None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        hasher = NgramHasher.from_tokenizer(cfg, tokenizer)
-        table_dir = resolve_table_dir(settings, model_path)
-        parallel = get_parallel()
-        runtime = EngramRuntime(cfg, hasher, settings, table_dir, torch.get_default_device(),
-                                tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
-        check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
-                         staged=runtime.staged is not None, modes=modes_in_use(settings))
-    except EngramError as e:
-        # SGLang prints the traceback of a failed scheduler; this line says what to fix.
-        logger.error("engram-sglang: %s", e)
-        raise
-    return runtime
+    # One runtime per model, our NgramHasher over the served tokenizer, rows sharded over the TP ranks.
+    return open_runtime(settings, parallel=get_parallel(), model_path=model_path, cfg=cfg,
+                        tokenizer_path=tokenizer_path)
 
 
 EntryClass = Qwen3EngramForCausalLM

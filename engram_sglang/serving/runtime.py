@@ -52,14 +52,6 @@ def agree_over_tp(flag: bool) -> bool:
     return bool(value.item())
 
 
-def resolve_table_dir(settings: ServeSettings, model_path: Optional[str]) -> Path:
-    if settings.table_dir:
-        return Path(settings.table_dir)
-    if model_path:
-        return Path(model_path) / "engram_tables"
-    raise EngramError("no Engram table directory: set --engram-table-dir (or ENGRAM_TABLE_DIR)")
-
-
 @dataclasses.dataclass
 class EngramStep:
     """One forward step's lookups."""

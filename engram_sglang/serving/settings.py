@@ -14,6 +14,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
+from ..core.config import DEFAULT_TABLE_DIR
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.placement_table import placement as placement_spec
 from ..core.errors import EngramConfigError
@@ -57,7 +58,7 @@ _KIND_TYPES = {"str": str, "int": int, "bool": bool, "auto-bool": bool | str, "c
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("table-dir", "str", None, "packed table directory (default: MODEL_PATH/engram_tables)"),
+    Knob("table-dir", "str", None, f"packed table directory (default: MODEL_PATH/{DEFAULT_TABLE_DIR})"),
     Knob("placement", "choice", "device", "where the tables live: device memory, host memory, or disk",
          PLACEMENTS),
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),

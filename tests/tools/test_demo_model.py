@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.demo_support import demo_dir, reference, table_dir
 from engram_sglang import EngramConfig, EngramError
+from engram_sglang.core.config import DEFAULT_TABLE_DIR
 from engram_sglang.tools.demo.model import DEMO_PROMPTS, add_parser, build_demo_model
 from engram_sglang.core.tablefile import open_tables, verify_tables
 
@@ -49,8 +50,8 @@ def test_build_is_deterministic(tmp_path):
     def digest(path):
         return hashlib.sha256(path.read_bytes()).hexdigest()
 
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "engram_tables/layer-1.rows",
-                 "engram_tables/layer-3.rows"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", f"{DEFAULT_TABLE_DIR}/layer-1.rows",
+                 f"{DEFAULT_TABLE_DIR}/layer-3.rows"):
         assert digest(again / name) == digest(demo_dir() / name), name
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ...core.config import DEFAULT_TABLE_DIR
 from ...core.errors import EngramError
 from . import report
 from .inputs import Pair, check_chunk_tokens, documents, load_pairs, parse_domain
@@ -171,7 +172,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--url", help="a running server (started with --engram-ablation on), e.g. http://127.0.0.1:30000")
     p.add_argument("--reference", action="store_true",
                    help="score with the PyTorch reference forward instead of a server (Qwen3 Engram models)")
-    p.add_argument("--table-dir", help="table directory (default: MODEL/engram_tables)")
+    p.add_argument("--table-dir", help=f"table directory (default: MODEL/{DEFAULT_TABLE_DIR})")
     p.add_argument("--engram", action="append", type=_engram_flag, metavar="KEY=VALUE",
                    help="an --engram-KEY VALUE flag for the server this starts, e.g. placement=disk (repeatable)")
     p.add_argument("--domain", action="append", metavar="NAME=FILE",

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ...core.config import DEFAULT_TABLE_DIR
 from ...core.errors import EngramError
 
 TOP = 10
@@ -215,14 +216,13 @@ def zip_longest(a, b):
 
 # ------------------------------------------------------------------------ command
 def cmd_scan(args) -> int:
-    from ..demo.model import TABLE_DIR_NAME
     from ...models.reference import ReferenceModel
     from ..profiling import corpus_files, load_tokenizer
     from .report import write_json
 
     files = corpus_files(args.corpus)
     tokenizer = load_tokenizer(args.model)
-    reference = ReferenceModel(args.model, args.table_dir or Path(args.model) / TABLE_DIR_NAME, tokenizer=tokenizer)
+    reference = ReferenceModel(args.model, args.table_dir or Path(args.model) / DEFAULT_TABLE_DIR, tokenizer=tokenizer)
     out = run_scan(reference, tokenizer, files, chunk_tokens=args.chunk_tokens, max_docs=args.max_docs, top=args.top,
                    min_count=args.min_count, gate_stats=args.gate_stats)
     if args.json:
@@ -235,7 +235,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "scan", help="per Engram layer and n-gram order: highest-gate n-grams, most-read rows, their rank correlation",
         description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--model", required=True, metavar="DIR", help="model directory (Qwen3 Engram family)")
-    p.add_argument("--table-dir", help="table directory (default: MODEL/engram_tables)")
+    p.add_argument("--table-dir", help=f"table directory (default: MODEL/{DEFAULT_TABLE_DIR})")
     p.add_argument("corpus", nargs="+", metavar="FILE", help="text files (or directories of them)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per document (default 512)")
     p.add_argument("--max-docs", type=int, default=None, help="at most this many documents per file")

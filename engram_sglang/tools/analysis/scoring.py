@@ -78,10 +78,10 @@ class ReferenceScorer:
         from pathlib import Path
 
         if reference is None:
-            from ..demo.model import TABLE_DIR_NAME
+            from ...core.config import DEFAULT_TABLE_DIR
             from ...models.reference import ReferenceModel
 
-            reference = ReferenceModel(model_dir, table_dir or Path(model_dir) / TABLE_DIR_NAME)
+            reference = ReferenceModel(model_dir, table_dir or Path(model_dir) / DEFAULT_TABLE_DIR)
         self.reference = reference
 
     def _one(self, item: tuple[Sequence[int], Mode]) -> list[float]:

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from ...core.config import EngramConfig
+from ...core.config import DEFAULT_TABLE_DIR, EngramConfig
 from .corpus import demo_corpus, train_tokenizer
 from ...core.hashing import EngramLayout, NgramHasher, compressed_token_map
 from ...core.rowformat import ROW_VALUES, quantize
 
 DEMO_SEED = 20261129
-TABLE_DIR_NAME = "engram_tables"
+TABLE_DIR_NAME = DEFAULT_TABLE_DIR  # the demo writes its tables where serving looks for them
 
 # The model's shape (small: a CPU serves it at a few hundred tokens/s).
 HIDDEN = 256
@@ -196,7 +196,7 @@ def build_demo_model(out_dir: str | os.PathLike, *, overwrite: bool = False, pro
 def add_parser(subparsers) -> None:
     """`engram-sglang demo-model DIR`: the subcommand, for cli.build_parser."""
     p = subparsers.add_parser("demo-model", help="build the small Qwen3 + Engram demo model locally (no downloads)")
-    p.add_argument("out_dir", help="model directory to write (config, weights, tokenizer, engram_tables/)")
+    p.add_argument("out_dir", help=f"model directory to write (config, weights, tokenizer, {DEFAULT_TABLE_DIR}/)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty directory")
     p.set_defaults(func=_cmd_demo_model)
 

@@ -1,0 +1,150 @@
+"""Opening a model's EngramRuntime at start-up: the one path both model families take.
+
+The Qwen3 Engram family (models/qwen3_engram.py) opens one runtime per model and hashes with
+our NgramHasher over the served tokenizer. DeepSeek-V4.1 (models/deepseek_v4_hook.py) opens one
+per process, which every Engram layer finds again, and hashes with upstream's EngramHasher
+(attached later: `EngramRuntime.use_hasher`); its ranks may run attention data or context
+parallelism (`rank_rows`). Both open the stores here, refuse what a CUDA graph or the ranks'
+tokens cannot serve, and log a configuration error as one line before raising it: SGLang prints
+the traceback of a failed scheduler, the line says what to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..core.config import DEFAULT_TABLE_DIR, EngramConfig
+from ..core.errors import EngramError
+from .runtime import EngramRuntime, active_runtimes
+from .settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_table_dir(settings: ServeSettings, model_path: Optional[str], *, required: bool = True) -> Optional[Path]:
+    """The packed table directory: --engram-table-dir (ENGRAM_TABLE_DIR), else
+    MODEL_PATH/DEFAULT_TABLE_DIR. `required` (only our stores can serve the model's tables):
+    that default whether it exists or not (opening it says what is missing), refused without
+    a model path. Else (a checkpoint that may carry its own tables): None where it is absent."""
+    if settings.table_dir:
+        return Path(settings.table_dir)
+    default = Path(model_path) / DEFAULT_TABLE_DIR if model_path else None
+    if not required:
+        return default if default is not None and default.is_dir() else None
+    if default is None:
+        raise EngramError("no Engram table directory: set --engram-table-dir (or ENGRAM_TABLE_DIR)")
+    return default
+
+
+def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path] = None,
+                 model_path: Optional[str] = None, cfg: Optional[EngramConfig] = None,
+                 tokenizer_path: Optional[str] = None, device=None, attention_parallel: bool = False,
+                 per_process: bool = False) -> EngramRuntime:
+    """A model's EngramRuntime, its configuration checked; an EngramError is logged as one line.
+
+    Parameters
+    ----------
+    settings : the --engram-* settings.
+    parallel : SGLang's parallel state (tp_rank, tp_size; attn_dp_size, attn_cp_size where
+        `attention_parallel`).
+    table_dir : the packed tables; None: `resolve_table_dir(settings, model_path)` (required).
+    model_path : the served model's directory.
+    cfg : the model's Engram config; None: MODEL_PATH/config.json's, else the tables' own.
+    tokenizer_path : hash with our NgramHasher over this tokenizer (the runtime's StepHasher);
+        None: the model brings its own hasher, attached once it exists.
+    device : where rows are returned (None: torch's default device).
+    attention_parallel : the model may run attention data or context parallelism, whose TP ranks
+        hold different tokens: they read whole rows or are refused (`rank_rows`).
+    per_process : one runtime per process for these tables, placement, device and ranks, found
+        again by every later call (and by the model's hasher: its `hook_key`).
+    """
+    tp_rank, tp_size = rank_rows(settings, parallel) if attention_parallel else (parallel.tp_rank, parallel.tp_size)
+    device = torch.device(device if device is not None else torch.get_default_device())
+    whole_rows = tp_size < parallel.tp_size  # the TP ranks hold different tokens
+    context_parallel = whole_rows and parallel.attn_cp_size > 1  # lookups of a slice of the prompt
+    try:
+        table_dir = table_dir if table_dir is not None else resolve_table_dir(settings, model_path)
+        key = (str(table_dir), settings.placement, str(device), tp_rank, tp_size)
+        if per_process:
+            for runtime in active_runtimes():
+                if getattr(runtime, "hook_key", None) == key:
+                    return runtime
+        cfg = cfg if cfg is not None else _engram_config(model_path, table_dir)
+        hasher = _ngram_hasher(cfg, tokenizer_path) if tokenizer_path is not None else None
+        runtime = EngramRuntime(cfg, hasher, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
+        try:
+            _check_servable(runtime, settings, whole_rows=whole_rows, context_parallel=context_parallel)
+        except EngramError:
+            runtime.close()
+            raise
+    except EngramError as e:
+        logger.error("engram-sglang: %s", e)
+        raise
+    if per_process:
+        runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
+    runtime.context_parallel = context_parallel
+    return runtime
+
+
+def _engram_config(model_path: Optional[str], table_dir: Path) -> EngramConfig:
+    from ..core.tablefile import open_tables
+
+    if model_path and (Path(model_path) / "config.json").is_file():
+        return EngramConfig.from_pretrained(model_path)
+    return open_tables(table_dir).config  # the tables' own config (tests, a model directory without one)
+
+
+def _ngram_hasher(cfg: EngramConfig, tokenizer_path: str):
+    from transformers import AutoTokenizer
+
+    from ..core.hashing import NgramHasher
+
+    return NgramHasher.from_tokenizer(cfg, AutoTokenizer.from_pretrained(tokenizer_path))
+
+
+def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_rows: bool,
+                    context_parallel: bool) -> None:
+    """What the opened stores cannot serve: under a CUDA graph (serving/graphs.py), and, where
+    every rank reads whole rows, a private copy per rank or Engram modes on a prompt's slice."""
+    from .graphs import check_capturable
+    from .modes import modes_in_use
+
+    check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
+                     staged=runtime.staged is not None, modes=modes_in_use(settings))
+    if not whole_rows:
+        return
+    private = sorted(L for L, s in runtime.stores.items() if not s.node_shared)
+    if private:
+        # Each rank would keep a whole private copy: TP x the tables in anonymous memory.
+        raise EngramError(
+            f"attention data/context parallelism reads whole rows from the node's shared copy, but layer(s) "
+            f"{private} fell back to a private copy ({settings.shm_dir} has too little free space, see the "
+            f"warning above): give Docker --shm-size or --ipc=host, or free {settings.shm_dir}")
+    if modes_in_use(settings) and context_parallel:
+        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
+                          "parallel rank's slice of the prompt: start without attention context parallelism")
+
+
+def rank_rows(settings, parallel) -> tuple[int, int]:
+    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
+    context parallelism the TP ranks look up different tokens, so no sum over them can
+    reassemble rows: every rank opens the tables whole (tp_size 1: no collective, whatever
+    the other ranks hold) where the placement table says its options give whole rows (the
+    node's shared host copy), or the start is refused."""
+    from ..core.placement_table import WHOLE, placement
+
+    if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
+        return parallel.tp_rank, parallel.tp_size
+    # --engram-host-whole-rows auto counts as on here: the one layout these ranks can serve.
+    if placement(settings.placement).rows_held(settings.store_options()) != WHOLE:
+        raise EngramError(
+            f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
+            f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
+            f"use --engram-placement host --engram-host-shared on --engram-host-whole-rows on (one copy per node, no "
+            f"collective); placement {settings.placement} with these options shards rows over ranks, which would need "
+            f"every rank's ids per layer (not supported)")
+    return 0, 1

@@ -1,0 +1,190 @@
+"""One start-up path (serving/startup.py `open_runtime`) for both model families, and one
+spelling of the default table directory (`config.DEFAULT_TABLE_DIR`) in the package."""
+
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support.tables import small_config
+from engram_sglang.core.config import DEFAULT_TABLE_DIR
+from engram_sglang.core.errors import EngramError
+from engram_sglang.serving import startup
+from engram_sglang.serving.settings import ServeSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+SERIAL = SimpleNamespace(tp_rank=0, tp_size=1, attn_dp_size=1, attn_cp_size=1)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """open_runtime replaced by a recorder: (args, kwargs) of every call; each returns a marker."""
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append((args, kwargs))
+        return "the runtime"
+
+    monkeypatch.setattr(startup, "open_runtime", record)
+    return seen
+
+
+# ------------------------------------------------------------- both families call it
+@pytest.mark.parametrize("tokenizer_path", [None, "/tok"])
+def test_the_qwen3_family_starts_through_open_runtime(calls, monkeypatch, tokenizer_path):
+    pytest.importorskip("sglang.srt.runtime_context", reason="needs the installed sglang")
+    import sglang.srt.runtime_context as context
+
+    from engram_sglang.models import qwen3_engram
+
+    monkeypatch.setattr(context, "get_model", lambda: SimpleNamespace(model_path="/model"))
+    monkeypatch.setattr(context, "get_serving", lambda: SimpleNamespace(tokenizer_path=tokenizer_path))
+    monkeypatch.setattr(qwen3_engram, "get_parallel", lambda: SERIAL)
+    cfg, settings = small_config(300), ServeSettings(placement="host")
+    assert qwen3_engram._build_runtime(cfg, settings) == "the runtime"
+    # One runtime per model (not per process), our hasher over the served tokenizer, plain TP ranks.
+    assert calls == [((settings,), dict(parallel=SERIAL, model_path="/model", cfg=cfg,
+                                        tokenizer_path=tokenizer_path or "/model"))]
+
+
+def test_the_deepseek_hook_starts_through_open_runtime(calls, tmp_path):
+    from engram_sglang.models.deepseek_v4_hook import process_runtime
+
+    model = tmp_path / "model"
+    model.mkdir()
+    # No table directory configured and none in the model directory: upstream's own tables serve.
+    assert process_runtime(settings=ServeSettings(), model_path=str(model), parallel=SERIAL) is None
+    assert calls == []
+    (model / DEFAULT_TABLE_DIR).mkdir()
+    settings = ServeSettings(placement="host")
+    assert process_runtime(settings=settings, model_path=str(model), device="cpu", parallel=SERIAL) == "the runtime"
+    # One runtime per process, upstream's hasher (no tokenizer), attention DP/CP ranks read whole rows.
+    assert calls == [((settings,), dict(parallel=SERIAL, table_dir=model / DEFAULT_TABLE_DIR, model_path=str(model),
+                                        device="cpu", attention_parallel=True, per_process=True))]
+    with pytest.raises(EngramError, match="start without it"):  # refused before anything opens
+        process_runtime(settings=ServeSettings(placement="disk", disk_graphs=True), model_path=str(model),
+                        parallel=SERIAL)
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ what it does
+def test_the_table_directory_is_the_flag_else_the_models_default(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    flag = ServeSettings(table_dir=str(tmp_path / "t"))
+    for required in (True, False):
+        assert startup.resolve_table_dir(flag, str(model), required=required) == tmp_path / "t"
+    # Required: the default whether or not it exists (opening it names what is missing).
+    assert startup.resolve_table_dir(ServeSettings(), str(model)) == model / DEFAULT_TABLE_DIR
+    with pytest.raises(EngramError, match="no Engram table directory: set --engram-table-dir"):
+        startup.resolve_table_dir(ServeSettings(), None)
+    # Optional: None until the model directory has one.
+    assert startup.resolve_table_dir(ServeSettings(), str(model), required=False) is None
+    assert startup.resolve_table_dir(ServeSettings(), None, required=False) is None
+    (model / DEFAULT_TABLE_DIR).mkdir()
+    assert startup.resolve_table_dir(ServeSettings(), str(model), required=False) == model / DEFAULT_TABLE_DIR
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_tables(tmp_path_factory, bytelevel_tokenizer):
+    """A tokenizer saved to a directory, and tables for a config of its compressed size."""
+    from engram_sglang.core.hashing import compressed_token_map
+    from engram_sglang.core.tablefile import write_tables
+    from tests.support.tables import random_rows
+
+    root = tmp_path_factory.mktemp("startup")
+    bytelevel_tokenizer.save_pretrained(root / "tok")
+    _, size = compressed_token_map(bytelevel_tokenizer)
+    cfg = small_config(size, layer_ids=(1,), max_ngram_size=3, n_heads=2, vocab_size=3001)
+    return root / "tok", cfg, write_tables(root / "tables", cfg, random_rows(cfg), progress=False)
+
+
+def test_our_hasher_or_the_models_own_one_runtime_per_model_or_per_process(tokenizer_and_tables):
+    from engram_sglang.serving.history import StepHasher
+    from engram_sglang.serving.runtime import active_runtimes
+
+    tok, cfg, tables = tokenizer_and_tables
+    settings = ServeSettings(placement="host")
+    opened = []
+    try:
+        # The Qwen3 family's: a StepHasher over the tokenizer, a new runtime per model, none marked.
+        for _ in range(2):
+            opened.append(startup.open_runtime(settings, parallel=SERIAL, table_dir=tables, cfg=cfg,
+                                               tokenizer_path=str(tok), device="cpu"))
+        a, b = opened
+        assert a is not b and isinstance(a.step_hasher, StepHasher) and a.hasher is not None
+        assert getattr(a, "hook_key", None) is None and a.context_parallel is False
+        # DeepSeek-V4.1's: no hasher until the model's is attached, one runtime per process.
+        opened.append(startup.open_runtime(settings, parallel=SERIAL, table_dir=tables, device="cpu",
+                                           per_process=True))
+        c = opened[-1]
+        assert c.step_hasher is None and c.hasher is None
+        assert c.cfg.source.endswith("manifest.json") and c.cfg.layer_ids == cfg.layer_ids  # the tables' own
+        assert startup.open_runtime(settings, parallel=SERIAL, table_dir=tables, device="cpu", per_process=True) is c
+        assert c.hook_key == (str(tables), "host", "cpu", 0, 1)
+        assert {a, b, c} <= set(active_runtimes())
+    finally:
+        for runtime in opened:
+            runtime.close()
+
+
+def test_a_configuration_error_is_one_logged_line_and_opens_nothing(tokenizer_and_tables, tmp_path, caplog):
+    from engram_sglang.core.errors import TokenizerMismatchError
+    from engram_sglang.serving.runtime import active_runtimes
+
+    tok, cfg, tables = tokenizer_and_tables
+    before = set(active_runtimes())
+    other = small_config(cfg.compressed_vocab_size + 1, layer_ids=(1,), max_ngram_size=3, n_heads=2, vocab_size=3001)
+    with caplog.at_level(logging.ERROR, logger="engram_sglang"), pytest.raises(TokenizerMismatchError):
+        startup.open_runtime(ServeSettings(placement="host"), parallel=SERIAL, table_dir=tables, cfg=other,
+                             tokenizer_path=str(tok), device="cpu")
+    # Modes on a context-parallel rank's slice: the runtime opened, then refused and closed.
+    cp = SimpleNamespace(tp_rank=1, tp_size=2, attn_dp_size=1, attn_cp_size=2)
+    settings = ServeSettings(placement="host", host_shared=True, shm_dir=str(tmp_path), mode="off")
+    with caplog.at_level(logging.ERROR, logger="engram_sglang"), pytest.raises(EngramError, match="context-parallel"):
+        startup.open_runtime(settings, parallel=cp, table_dir=tables, device="cpu", attention_parallel=True,
+                             per_process=True)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(lines) == 2 and all(m.startswith("engram-sglang: ") and "\n" not in m for m in lines), lines
+    assert "distinct tokens" in lines[0] and "context-parallel" in lines[1]
+    assert set(active_runtimes()) == before
+
+
+# --------------------------------------------------------- one spelling of the default
+def default_table_dir_spellings(package: Path) -> list[str]:
+    """file:line of every string value in the package that spells the default table directory's
+    name (f-string parts included; docstrings are prose and do not count)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and DEFAULT_TABLE_DIR in node.value):
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_default_table_dir_is_the_one_spelling_in_the_package():
+    assert DEFAULT_TABLE_DIR == "engram_tables"
+    found = default_table_dir_spellings(ROOT / "engram_sglang")
+    line = next(i for i, text in enumerate((ROOT / "engram_sglang" / "core" / "config.py").read_text().splitlines(), 1)
+                if text.startswith("DEFAULT_TABLE_DIR = "))
+    assert found == [f"engram_sglang/core/config.py:{line}"], found
+
+
+def test_another_spelling_is_found(tmp_path):
+    package = tmp_path / "engram_sglang"
+    (package / "serving").mkdir(parents=True)
+    (package / "core").mkdir()
+    (package / "core" / "config.py").write_text('"""Tables live in MODEL/engram_tables."""\nDEFAULT_TABLE_DIR = "engram_tables"\n')
+    assert default_table_dir_spellings(package) == ["engram_sglang/core/config.py:2"]  # the docstring does not count
+    (package / "serving" / "x.py").write_text('def f(m):\n    """m/engram_tables"""\n    return f"{m}/engram_tables"\n')
+    assert default_table_dir_spellings(package) == ["engram_sglang/core/config.py:2", "engram_sglang/serving/x.py:3"]
