@@ -32,6 +32,7 @@ layer instead, which this plugin does not do).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Optional
@@ -40,7 +41,6 @@ import torch
 from torch import nn
 
 from ..core.errors import EngramError
-from ..plugin.targets import wrap_method
 from ..core.rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
@@ -85,33 +85,26 @@ class StoreEngramEmbedding(nn.Module):
         return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens)
 
 
-def patch_engram_hasher(module) -> None:
-    """Wrap upstream's `EngramHasher.forward` (the step's hashing): its ids begin the runtime's
-    step, which starts every layer's gather right away. Subclasses with their own forward (our
-    Qwen3 family's StepHasher) are not affected."""
-
-    in_breakable_graph = _breakable_graph_probe()  # at start-up: a moved SGLang module fails here, once
-
-    def forward(original, self, input_ids, forward_batch, *args, **kwargs):
-        hash_ids = original(self, input_ids, forward_batch, *args, **kwargs)
-        runtime = runtime_of(self)
-        if runtime is not None:
-            runtime.begin_step(input_ids, forward_batch.positions, forward_batch, hash_ids=hash_ids,
-                               prefetch=_layers_read_these_ids(runtime, forward_batch, in_breakable_graph))
-        return hash_ids
-
-    wrap_method(module.EngramHasher, "forward", forward)
+def begin_step_after_hashing(hasher, input_ids, forward_batch, hash_ids) -> None:
+    """After upstream's `EngramHasher.forward` (the step's hashing; plugin/engram_layer.py):
+    its ids begin the runtime's step, which starts every layer's gather right away."""
+    runtime = runtime_of(hasher)
+    if runtime is not None:
+        runtime.begin_step(input_ids, forward_batch.positions, forward_batch, hash_ids=hash_ids,
+                           prefetch=_layers_read_these_ids(runtime, forward_batch, in_breakable_cuda_graph()))
 
 
 _BREAKABLE_GRAPH = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context"
 
 
-def _breakable_graph_probe():
+@functools.cache
+def in_breakable_cuda_graph():
     """SGLang's `is_in_breakable_cuda_graph` (whether a prefill graph is being captured or
-    replayed); one line naming the module where this SGLang lacks it."""
+    replayed), looked up once: when the plugin patches upstream's Engram module, so that an
+    SGLang without it fails start-up in one line naming the module."""
     import importlib
 
-    from ..plugin.targets import SGLANG_TESTED, sglang_version
+    from ..serving.upstream import SGLANG_TESTED, sglang_version
 
     try:
         return importlib.import_module(_BREAKABLE_GRAPH).is_in_breakable_cuda_graph
@@ -166,12 +159,9 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
                         attention_parallel=True, per_process=True)
 
 
-def patch_engram_module(module) -> None:
-    """Replace `EngramEmbedding` in sglang.srt.layers.engram by a factory that returns
-    StoreEngramEmbedding when tables are configured, else upstream's own class."""
-    upstream = module.EngramEmbedding
-    if getattr(upstream, "_engram_sglang_factory", False):
-        return
+def embedding_factory(upstream):
+    """What replaces upstream's `EngramEmbedding` class (plugin/engram_layer.py): a factory that
+    returns StoreEngramEmbedding when tables are configured, else upstream's own layer."""
 
     def EngramEmbedding(num_embeddings, dim, layer_id, column_bounds):
         from sglang.srt.runtime_context import get_model, get_parallel
@@ -185,29 +175,24 @@ def patch_engram_module(module) -> None:
             return upstream(num_embeddings, dim, layer_id, column_bounds)
         return StoreEngramEmbedding(num_embeddings, dim, layer_id, column_bounds, runtime=runtime)
 
-    EngramEmbedding._engram_sglang_factory = True
     EngramEmbedding.upstream = upstream
-    module.EngramEmbedding = EngramEmbedding
-    patch_engram_hasher(module)
+    return EngramEmbedding
 
 
-def patch_deepseek_v4(module) -> None:
-    """The loader skips `.engram.embed.{weight,scale}` when our store serves the tables; the
-    model's hasher is attached to the runtime once the weights are in (read-ahead hashes with
-    it before the first forward)."""
-
-    def load_weights(original, self, weights, *args, **kwargs):
-        embeds = [m for m in self.modules() if isinstance(m, StoreEngramEmbedding)]
-        if embeds:
-            check_late_layer_tail(getattr(self, "model", None), embeds)  # before 286 GiB of weights
-            weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
-        out = original(self, weights, *args, **kwargs)
-        hasher = getattr(getattr(self, "model", None), "engram_hasher", None)
-        if embeds and hasher is not None:
-            runtime_of(hasher)
-        return out
-
-    wrap_method(module.DeepseekV4ForCausalLM, "load_weights", load_weights)
+def load_weights(original, model, weights, *args, **kwargs):
+    """DeepseekV4ForCausalLM.load_weights (plugin/deepseek_v4.py): the loader skips
+    `.engram.embed.{weight,scale}` when our store serves the tables; the model's hasher is
+    attached to the runtime once the weights are in (read-ahead hashes with it before the
+    first forward)."""
+    embeds = [m for m in model.modules() if isinstance(m, StoreEngramEmbedding)]
+    if embeds:
+        check_late_layer_tail(getattr(model, "model", None), embeds)  # before 286 GiB of weights
+        weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
+    out = original(model, weights, *args, **kwargs)
+    hasher = getattr(getattr(model, "model", None), "engram_hasher", None)
+    if embeds and hasher is not None:
+        runtime_of(hasher)
+    return out
 
 
 def check_late_layer_tail(model, embeds) -> None:

@@ -1,64 +1,59 @@
-"""Patching SGLang: every target declared in one list, checked before it is patched.
+"""What the plugin patches in SGLang: a `Target` per attribute, declared beside its hook.
 
-`TARGETS` names each SGLang attribute the plugin wraps, replaces or hooks. When SGLang
-imports a module that holds targets, the plugin checks them all before it patches any
-(plugin._apply); a missing one stops the process with one line naming it and the SGLang
-version. A log line instead would leave the server half-patched: upstream's own Engram
-layer would then load every table into GPU memory (189 GiB for DeepSeek-V4.1-Flash).
+Each hooks module of this package (named after the SGLang module it patches) lists its
+targets in `TARGETS`, each with the hook that patches it, as SGLang's own
+`HookRegistry.register(target, hook, type)` does. When SGLang imports a module that holds
+targets, the plugin checks them all before it patches any (`check_module`); a missing one
+stops the process with one line naming it and the SGLang version. A log line instead would
+leave the server half-patched: upstream's own Engram layer would then load every table into
+GPU memory (189 GiB for DeepSeek-V4.1-Flash).
 
-This module is imported by the plugin in every SGLang process: it stays free of heavy
-imports (the errors module is imported only when a target is missing).
+Imported by the plugin in every SGLang process that imports a patched module: standard
+library only (the errors module is imported only when a target is missing).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
-# The SGLang release the targets were checked against (pyproject's `serve` extra).
-SGLANG_TESTED = "0.5.23"
+from ..serving.upstream import SGLANG_TESTED, sglang_version  # noqa: F401  (the targets were checked against it)
+
+# What a target's hook does to the attribute (the verb is the error line's).
+ACTIONS = {
+    "wrap": "wraps",  # hook(original, self, *args, **kwargs) becomes the method (wrap_method)
+    "replace": "replaces",  # the attribute becomes hook(original)
+    "extend": "extends",  # hook(attribute) changes it in place (e.g. a registry's dict)
+    "hook-around": "hooks",  # registered with SGLang's HookRegistry as AROUND when the plugin loads
+    "hook-after": "hooks",  # ... as AFTER
+}
 
 
 @dataclass(frozen=True)
 class Target:
     module: str  # the module SGLang imports
     attr: str  # "Class.method", "Class" or "function" inside it
-    how: str  # what the plugin does to it (for the error line)
+    action: str  # a key of ACTIONS
+    hook: Optional[Callable] = None
+    says: str = ""  # the error line's verb phrase, when ACTIONS' is too plain
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"{self.name}: action {self.action!r} is none of {', '.join(ACTIONS)}")
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.attr}"
 
+    @property
+    def how(self) -> str:
+        return self.says or ACTIONS[self.action]
 
-TARGETS: tuple[Target, ...] = (
-    Target("sglang.srt.server_args", "prepare_server_args", "hooks (--engram-* flags)"),
-    Target("sglang.srt.server_args", "ServerArgs.add_cli_args", "hooks (--engram-* flags)"),
-    Target("sglang.srt.models.registry", "ModelRegistry.models", "registers Qwen3EngramForCausalLM in"),
-    Target("sglang.srt.managers.scheduler_components.internal_state",
-           "SchedulerInternalStateController.get_internal_state", "wraps"),
-    Target("sglang.srt.layers.engram", "EngramEmbedding", "replaces"),
-    Target("sglang.srt.layers.engram", "EngramHasher.forward", "wraps"),
-    Target("sglang.srt.models.deepseek_v4", "DeepseekV4ForCausalLM.load_weights", "wraps"),
-    Target("sglang.srt.managers.scheduler", "Scheduler.run_batch", "wraps"),
-    Target("sglang.srt.managers.tokenizer_manager", "TokenizerManager._create_tokenized_object", "wraps"),
-    Target("sglang.srt.model_executor.pool_configurator", "DefaultPoolConfigurator._compute_cell_size", "wraps"),
-    Target("sglang.srt.model_executor.model_runner", "ModelRunner._init_post_memory_pool_components", "wraps"),
-    Target("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "wraps"),
-    Target("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.capture", "wraps"),
-    Target("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner.execute", "wraps"),
-)
-
-TARGET_MODULES: tuple[str, ...] = tuple(dict.fromkeys(t.module for t in TARGETS))
-
-
-def sglang_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return "(not installed)"
+    @property
+    def on_import(self) -> bool:
+        """Applied when SGLang imports the module (not a HookRegistry hook, which SGLang applies)."""
+        return not self.action.startswith("hook-")
 
 
 def _lookup(obj, attr: str):
@@ -67,11 +62,11 @@ def _lookup(obj, attr: str):
     return obj
 
 
-def missing_targets(module, module_name: Optional[str] = None) -> list[Target]:
-    """The declared targets of `module` (SGLang's module `module_name`) it lacks."""
+def missing_targets(module, targets: Iterable[Target], module_name: Optional[str] = None) -> list[Target]:
+    """The targets of `module` (SGLang's module `module_name`) that it lacks."""
     module_name = module_name or module.__name__
     out = []
-    for t in TARGETS:
+    for t in targets:
         if t.module != module_name:
             continue
         try:
@@ -87,13 +82,32 @@ def missing_message(target: Target) -> str:
             f"or an engram-sglang made for yours")
 
 
-def check_module(module, module_name: Optional[str] = None) -> None:
-    """Raise PatchTargetMissing naming the first declared target `module` lacks."""
-    missing = missing_targets(module, module_name)
+def check_module(module, targets: Iterable[Target], module_name: Optional[str] = None) -> None:
+    """Raise PatchTargetMissing naming the first target `module` lacks."""
+    missing = missing_targets(module, targets, module_name)
     if missing:
         from ..core.errors import PatchTargetMissing
 
         raise PatchTargetMissing(missing_message(missing[0]))
+
+
+def apply(targets: Iterable[Target], module, *, only: Optional[str] = None) -> None:
+    """Patch `module` with each of its targets applied on import (or the one whose attr is `only`)."""
+    for t in targets:
+        if not t.on_import or (only is not None and t.attr != only):
+            continue
+        owner_path, _, leaf = t.attr.rpartition(".")
+        owner = _lookup(module, owner_path) if owner_path else module
+        if t.action == "wrap":
+            wrap_method(owner, leaf, t.hook)
+        elif t.action == "replace":
+            original = getattr(owner, leaf)
+            if not getattr(original, "_engram_sglang", False):  # a plugin loaded twice replaces once
+                replacement = t.hook(original)
+                replacement._engram_sglang = True
+                setattr(owner, leaf, replacement)
+        else:
+            t.hook(getattr(owner, leaf))
 
 
 def wrap_method(cls, name: str, wrapper: Callable) -> None:
@@ -109,7 +123,7 @@ def wrap_method(cls, name: str, wrapper: Callable) -> None:
     except AttributeError:
         from ..core.errors import PatchTargetMissing
 
-        raise PatchTargetMissing(missing_message(Target(cls.__module__, f"{cls.__qualname__}.{name}", "wraps")))
+        raise PatchTargetMissing(missing_message(Target(cls.__module__, f"{cls.__qualname__}.{name}", "wrap")))
     key = f"{wrapper.__module__}.{wrapper.__qualname__}"
     applied = getattr(original, "_engram_sglang_wrappers", frozenset())
     if key in applied:

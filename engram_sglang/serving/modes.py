@@ -223,43 +223,9 @@ def mask_for(mode: Mode, prompt_len: int, length: int) -> list[bool]:
 
 
 
-# ------------------------------------------------------------------- SGLang hooks
-def _settings():
+# ------------------------------------------------------------------- settings
+def server_settings():
+    """The server's settings, as the hooks read them (plugin/scheduler.py, plugin/tokenizer_manager.py)."""
     from .settings import ServeSettings
 
     return ServeSettings.from_env()
-
-
-def patch_tokenizer_manager(module) -> None:
-    """Wrap `TokenizerManager._create_tokenized_object` (where SGLang checks a request's
-    sampling params; a ValueError there is HTTP 400): check the request's mode and key its
-    cached prefixes by it."""
-    from ..plugin.targets import wrap_method
-
-    settings = []  # read once, on the first request (the flags are exported by then)
-
-    def _create_tokenized_object(original, self, *args, **kwargs):
-        tokenized = original(self, *args, **kwargs)
-        if hasattr(tokenized, "extra_key") and hasattr(tokenized, "sampling_params"):
-            if not settings:
-                settings.append(_settings())
-            check_request(tokenized, settings[0])
-        return tokenized
-
-    wrap_method(module.TokenizerManager, "_create_tokenized_object", _create_tokenized_object)
-
-
-def patch_scheduler(module) -> None:
-    """Wrap `Scheduler.run_batch`: record the batch's intervals per request slot before the
-    batch runs (its forward asks for them)."""
-    from ..plugin.targets import wrap_method
-
-    settings = []  # read on the first batch, in the scheduler's process
-
-    def run_batch(original, self, batch, *args, **kwargs):
-        if not settings:
-            settings.append(_settings())
-        record_batch(batch, settings[0])
-        return original(self, batch, *args, **kwargs)
-
-    wrap_method(module.Scheduler, "run_batch", run_batch)

@@ -16,25 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from ..plugin.targets import wrap_method
-
 logger = logging.getLogger(__name__)
 _failed_once = False
-
-
-def patch_scheduler(module) -> None:
-    """Wrap `Scheduler.run_batch` of sglang.srt.managers.scheduler: read the next chunk
-    ahead before the batch runs; after it, abort the requests whose rows could not be read
-    (serving/faults.py)."""
-    from .faults import abort_failed_requests
-
-    def run_batch(original, self, batch, *args, **kwargs):
-        read_ahead_next_chunk(self, batch)
-        result = original(self, batch, *args, **kwargs)
-        abort_failed_requests(self, batch)
-        return result
-
-    wrap_method(module.Scheduler, "run_batch", run_batch)
 
 
 def read_ahead_next_chunk(scheduler, batch) -> int:

@@ -243,8 +243,8 @@ def test_the_plugin_runs_between_steps_after_every_model_runner_forward():
             return ("out", batch, maintenance.steps())
 
     module = types.SimpleNamespace(ModelRunner=ModelRunner)
-    plugin._maintain_between_steps(module)
-    plugin._maintain_between_steps(module)  # a plugin loaded twice
+    plugin.patch(module, "sglang.srt.model_executor.model_runner", only="ModelRunner.forward")
+    plugin.patch(module, "sglang.srt.model_executor.model_runner", only="ModelRunner.forward")  # loaded twice
     seen = []
     wrap_method(ModelRunner, "forward", lambda original, self, *a: seen.append(a) or original(self, *a))
     step = maintenance.steps()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import small_config
+from tests.support.tables import small_config
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.recordfile import RecordFormat, read_record, write_record
 
@@ -288,7 +288,7 @@ def test_an_old_profile_loads_and_the_new_writer_writes_the_same_file(tmp_path):
 def test_an_old_profile_prewarms_the_hot_row_cache(tmp_path):
     """The stores read an old profile (through profile_format, not the profiling tool)."""
     pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
-    from conftest import random_rows
+    from tests.support.tables import random_rows
     from engram_sglang.core.hashing import EngramLayout
     from engram_sglang.core.stores import open_store
     from engram_sglang.core.stores.cache import wrap_stores

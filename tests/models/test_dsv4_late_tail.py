@@ -19,7 +19,7 @@ pytest.importorskip("sglang.srt.layers.engram", reason="needs the installed sgla
 
 
 def load(runtime, layout, late_layer_start):
-    from engram_sglang.models.deepseek_v4_hook import patch_deepseek_v4
+    from engram_sglang import plugin
 
     loaded = []
 
@@ -27,7 +27,7 @@ def load(runtime, layout, late_layer_start):
         def load_weights(self, weights):
             loaded.extend(weights)
 
-    patch_deepseek_v4(SimpleNamespace(DeepseekV4ForCausalLM=Model))
+    plugin.patch(SimpleNamespace(DeepseekV4ForCausalLM=Model), "sglang.srt.models.deepseek_v4")
     model = Model()
     model.model = SimpleNamespace(engram_hasher=None, late_layer_start=late_layer_start)
     model.embeds = nn.ModuleList(embeddings(runtime, layout).values())

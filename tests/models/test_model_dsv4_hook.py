@@ -85,13 +85,13 @@ def upstream_hasher(rng):
     """Upstream's EngramHasher (a subclass whose forward the test wraps, so the class SGLang
     uses stays as it is), its buffers those of our NgramHasher for a random token map (its
     constructor derives the same from a tokenizer: tests/test_hashing.py checks they agree)."""
-    from engram_sglang.models.deepseek_v4_hook import patch_engram_hasher
+    from engram_sglang import plugin
 
     ours = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))
     base = sglang_engram.EngramHasher
     forward = getattr(base.forward, "__wrapped__", base.forward)  # upstream's, unwrapped
     cls = type("Hasher", (base,), {"forward": forward})
-    patch_engram_hasher(SimpleNamespace(EngramHasher=cls))
+    plugin.patch(SimpleNamespace(EngramHasher=cls), "sglang.srt.layers.engram", only="EngramHasher.forward")
     hasher = cls.__new__(cls)
     nn.Module.__init__(hasher)
     hasher.max_ngram_size, hasher.pad_id = CFG.max_ngram_size, ours.pad_id
@@ -192,7 +192,8 @@ def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, tabl
             def get_internal_state(self, recv_req):
                 return SimpleNamespace(internal_state={})
 
-        plugin._report_internal_state(SimpleNamespace(SchedulerInternalStateController=Controller))
+        plugin.patch(SimpleNamespace(SchedulerInternalStateController=Controller),
+                     "sglang.srt.managers.scheduler_components.internal_state")
         assert active_runtimes() == [runtime]
         reported = Controller().get_internal_state(None).internal_state["engram"]
         assert reported["steps"] == 3 and reported["placement"] == placement and len(reported["tables"]) == 2
@@ -350,7 +351,7 @@ def test_prefill_read_ahead_hashes_with_upstreams_hasher(parallel, table, rng, m
 
     import numpy as np
 
-    from engram_sglang.models.deepseek_v4_hook import patch_deepseek_v4
+    from engram_sglang import plugin
     from engram_sglang.serving import readahead
     from engram_sglang.serving.readahead import read_ahead_next_chunk
 
@@ -366,7 +367,7 @@ def test_prefill_read_ahead_hashes_with_upstreams_hasher(parallel, table, rng, m
             def load_weights(self, weights):
                 return list(weights)
 
-        patch_deepseek_v4(SimpleNamespace(DeepseekV4ForCausalLM=Model))
+        plugin.patch(SimpleNamespace(DeepseekV4ForCausalLM=Model), "sglang.srt.models.deepseek_v4")
         model = Model()
         model.model = SimpleNamespace(engram_hasher=hasher)
         model.embeds = nn.ModuleList(embeds.values())
@@ -395,12 +396,13 @@ def test_prefill_read_ahead_hashes_with_upstreams_hasher(parallel, table, rng, m
 def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel, table, monkeypatch):
     import importlib
 
-    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_engram_module
+    from engram_sglang import plugin
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding
 
     table_dir, _, layout = table
     module = importlib.import_module("sglang.srt.layers.engram")
     monkeypatch.setattr(module, "EngramEmbedding", upstream_class())
-    patch_engram_module(module)
+    plugin.patch(module)
     args = (layout.rows(LAYER), 256, LAYER, layout.column_bounds(1))
     monkeypatch.delenv("ENGRAM_TABLE_DIR", raising=False)
     assert isinstance(module.EngramEmbedding(*args), upstream_class())
@@ -460,7 +462,8 @@ def test_disk_graphs_are_refused_for_deepseek(table):
 
 
 def test_loader_skips_table_tensors_only_when_our_store_serves():
-    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, patch_deepseek_v4
+    from engram_sglang import plugin
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding
 
     seen = []
 
@@ -471,7 +474,7 @@ def test_loader_skips_table_tensors_only_when_our_store_serves():
     class Module:
         DeepseekV4ForCausalLM = FakeModel
 
-    patch_deepseek_v4(Module)
+    plugin.patch(Module, "sglang.srt.models.deepseek_v4")
     names = ["model.layers.1.engram.embed.weight", "layers.1.engram.embed.scale", "model.layers.1.engram.wkv.weight"]
     FakeModel().load_weights((n, None) for n in names)
     assert seen == names

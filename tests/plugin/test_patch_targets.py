@@ -1,6 +1,7 @@
-"""The plugin refuses to run half patched (issue 12 item 7): every SGLang attribute it patches
-is declared in patching.TARGETS, exists in the SGLang it was checked against, and a missing
-one stops the process with one line naming it and the SGLang version."""
+"""The plugin refuses to run half patched: every SGLang attribute it patches is declared beside
+its hook (the TARGETS of plugin/'s hooks module for that SGLang module), exists in the SGLang
+it was checked against, and a missing one stops the process with one line naming it and the
+SGLang version."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engram_sglang.plugin import targets as patching
-
 from engram_sglang import plugin
-from engram_sglang.plugin.targets import SGLANG_TESTED, TARGETS, Target
+from engram_sglang.plugin import targets as patching
+from engram_sglang.plugin.targets import SGLANG_TESTED, Target
+
+TARGETS = plugin.all_targets()
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "engram_sglang"
@@ -44,28 +46,70 @@ def test_every_patch_target_exists_in_the_installed_sglang():
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture",
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
     ])
-    for name in patching.TARGET_MODULES:
+    assert sorted({t.module for t in TARGETS}) == sorted(plugin.HOOKS)
+    for name in plugin.HOOKS:
         module = importlib.import_module(name)
         # The plugin may have wrapped them already in this process: they exist either way.
-        assert patching.missing_targets(module) == [], name
+        assert patching.missing_targets(module, TARGETS) == [], name
 
 
-def _patched_in_source() -> set[str]:
-    """Every `wrap_method(module.C, "m")`, `module.C = ...` and HookRegistry target in the package."""
-    found = set()
+def test_each_target_sits_in_the_hooks_module_of_its_sglang_module_with_its_hook():
+    for name, hooks in plugin.HOOKS.items():
+        module = plugin.hooks_module(name)
+        assert module.__name__ == f"engram_sglang.plugin.{hooks}" and module.MODULE == name
+        for t in module.TARGETS:
+            assert t.module == name and callable(t.hook), t
+            assert t.hook.__module__ == module.__name__, f"{t.name}: its hook lives in {t.hook.__module__}"
+
+
+def test_scheduler_run_batch_is_wrapped_once_in_its_order(monkeypatch):
+    """One wrapper of Scheduler.run_batch: modes recorded, read-ahead, the batch, then the fault
+    abort (which used to run only inside the read-ahead wrapper)."""
+    from types import SimpleNamespace
+
+    from engram_sglang.plugin import scheduler
+    from engram_sglang.serving import faults, modes, readahead
+
+    order = []
+    monkeypatch.setattr(scheduler, "_settings", ["settings"])
+    monkeypatch.setattr(modes, "record_batch", lambda batch, settings: order.append(("modes", batch, settings)))
+    monkeypatch.setattr(readahead, "read_ahead_next_chunk", lambda sched, batch: order.append(("read-ahead", batch)))
+    monkeypatch.setattr(faults, "abort_failed_requests", lambda sched, batch: order.append(("abort", batch)))
+
+    class Scheduler:
+        def run_batch(self, batch):
+            order.append(("run", batch))
+            return "result"
+
+    fake = SimpleNamespace(Scheduler=Scheduler)
+    plugin.patch(fake, "sglang.srt.managers.scheduler")
+    plugin.patch(fake, "sglang.srt.managers.scheduler")  # a plugin loaded twice wraps once
+    assert Scheduler().run_batch("b") == "result"
+    assert order == [("modes", "b", "settings"), ("read-ahead", "b"), ("run", "b"), ("abort", "b")]
+    wrapped = [t for t in TARGETS if t.name.endswith("Scheduler.run_batch")]
+    assert len(wrapped) == 1
+
+
+def _patched_in_source() -> list[str]:
+    """Every place the package patches SGLang by hand instead of through a declared Target:
+    a `wrap_method(...)` call, a `module.X = ...` or setattr, a HookRegistry.register of a literal
+    target (tests/test_architecture.py keeps all patching inside plugin/)."""
+    found = []
     for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "plugin" and path.name in ("targets.py", "__init__.py"):
+            continue  # the machinery that applies declared targets
         text = path.read_text()
-        found |= {f"{c}.{m}" for c, m in re.findall(r'wrap_method\(module\.(\w+), "(\w+)"', text)}
-        found |= set(re.findall(r"^\s*module\.(\w+) = ", text, re.M))
-        found |= {t.split(".", 3)[-1] for t in re.findall(r'HookRegistry\.register\("([\w.]+)"', text)}
+        found += [f"{path.name}: {m}" for m in re.findall(r"wrap_method\([^)]*\)|^\s*module\.\w+ = |"
+                                                        r"setattr\(module|HookRegistry\.register\(\"", text, re.M)]
     return found
 
 
 def test_every_patch_in_the_source_is_a_declared_target():
-    found = _patched_in_source()
-    assert len(found) >= 9, found  # the scan itself still finds the patches
-    declared = {t.attr for t in TARGETS}
-    assert found - declared == set(), "patched but not in patching.TARGETS (so never checked at start-up)"
+    assert _patched_in_source() == []
+    # The control: the scan sees a hand-made patch.
+    fake = PACKAGE / "plugin" / "scheduler.py"
+    text = fake.read_text() + "\n\ndef f(module):\n    wrap_method(module.Scheduler, 'run_batch', f)\n"
+    assert re.findall(r"wrap_method\([^)]*\)", text) == ["wrap_method(module.Scheduler, 'run_batch', f)"]
 
 
 def test_a_missing_target_stops_the_import_with_one_line(tmp_path, monkeypatch, capsys):
@@ -73,9 +117,8 @@ def test_a_missing_target_stops_the_import_with_one_line(tmp_path, monkeypatch, 
     the module's patch never runs (nothing half applied)."""
     (tmp_path / "engram_probe_target.py").write_text("class Thing:\n    def other(self):\n        pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(patching, "TARGETS", TARGETS + (Target("engram_probe_target", "Thing.run", "wraps"),))
     ran = []
-    plugin._after_import("engram_probe_target", ran.append)
+    plugin._after_import("engram_probe_target", ran.append, (Target("engram_probe_target", "Thing.run", "wrap"),))
     with pytest.raises(SystemExit) as exc:
         import engram_probe_target  # noqa: F401
     assert exc.value.code == 2 and ran == []

@@ -299,7 +299,8 @@ def test_the_plugin_stages_before_each_replay_and_reserves_before_capture(tables
                 calls.append(("replay", forward_batch.input_ids.shape[0]))
                 return "out"
 
-        plugin._stage_disk_rows_before_replays(types.SimpleNamespace(DecodeCudaGraphRunner=DecodeCudaGraphRunner))
+        plugin.patch(types.SimpleNamespace(DecodeCudaGraphRunner=DecodeCudaGraphRunner),
+                     "sglang.srt.model_executor.runner.decode_cuda_graph_runner")
         runner = DecodeCudaGraphRunner()
         runner.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(runtime=runtime))
         runner.capture()

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from engram_sglang import plugin
+from engram_sglang.plugin import server_args
 from engram_sglang.core.errors import EngramConfigError, EngramError
 from engram_sglang.serving.graphs import check_capturable, graph_args, placement_needs_host_ids
 from engram_sglang.serving.launch import CPU_SHIM
@@ -98,17 +99,17 @@ def test_launcher_hook_adds_the_flags_and_says_so(clean_env, capsys):
         seen["argv"] = argv
         return "server-args"
 
-    assert plugin._prepare_server_args(original, ["--model-path", "m", "--engram-placement", "disk"]) == "server-args"
+    assert server_args.prepare_server_args(original, ["--model-path", "m", "--engram-placement", "disk"]) == "server-args"
     assert seen["argv"] == ["--model-path", "m", "--engram-placement", "disk", *OFF]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("engram-sglang notice: --engram-placement disk reads")
-    plugin._prepare_server_args(original, ["--model-path", "m", "--engram-placement", "host"])
+    server_args.prepare_server_args(original, ["--model-path", "m", "--engram-placement", "host"])
     assert seen["argv"] == ["--model-path", "m", "--engram-placement", "host"]
 
 
 def test_launcher_hook_refuses_with_exit_status_2(clean_env, capsys):
     with pytest.raises(SystemExit) as e:
-        plugin._prepare_server_args(lambda argv: None, ["--engram-placement", "disk", "--cuda-graph-backend-decode", "full"])
+        server_args.prepare_server_args(lambda argv: None, ["--engram-placement", "disk", "--cuda-graph-backend-decode", "full"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("engram-sglang: error: --engram-placement disk") and "drop --cuda-graph-backend-decode full" in err[0]
@@ -138,7 +139,7 @@ def test_pool_configurator_hook_adds_the_models_bytes_per_token():
             return 100 * num_layers
 
     module = types.SimpleNamespace(DefaultPoolConfigurator=DefaultPoolConfigurator)
-    plugin._count_engram_bytes_per_kv_token(module)
+    plugin.patch(module, "sglang.srt.model_executor.pool_configurator")
     conf = DefaultPoolConfigurator()
     model = types.SimpleNamespace(engram_bytes_per_kv_token=lambda: 1024)
     assert conf._compute_cell_size(types.SimpleNamespace(model=model, is_draft_worker=False), 4) == 400 + 1024
@@ -154,7 +155,7 @@ def test_model_runner_hook_allocates_after_the_pool():
             calls.append("sglang")
 
     module = types.SimpleNamespace(ModelRunner=ModelRunner)
-    plugin._allocate_engram_buffers_with_kv_pool(module)
+    plugin.patch(module, "sglang.srt.model_executor.model_runner", only="ModelRunner._init_post_memory_pool_components")
     runner = ModelRunner()
     runner.token_to_kv_pool = "pool"
     runner.model = types.SimpleNamespace(init_engram_buffers=lambda pool: calls.append(("engram", pool)))
