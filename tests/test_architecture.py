@@ -223,10 +223,10 @@ def test_kernels_have_no_torch():
 # ------------------------------------------------------------ negative controls
 @pytest.mark.parametrize("module, line, expected", [
     ("engram_sglang.core.ops.gather", "from ..stores import open_store", "ops import stores"),
-    ("engram_sglang.core.ops.gather", "import engram_sglang.core.stores.placements", "ops import stores"),
+    ("engram_sglang.core.ops.gather", "import engram_sglang.core.stores.host", "ops import stores"),
     ("engram_sglang.core.stores.base", "from ...serving.settings import ServeSettings", "core imports serving"),
-    ("engram_sglang.core.stores.placements", "from ... import models", "core imports models"),
-    ("engram_sglang.models.qwen3_engram", "from ..core.stores.placements import HostStore",
+    ("engram_sglang.core.stores.host", "from ... import models", "core imports models"),
+    ("engram_sglang.models.qwen3_engram", "from ..core.stores.host import HostStore",
      "models reach the stores only through open_store/TableStore"),
     ("engram_sglang.models.qwen3_engram", "from ..core.stores import DiskStore",
      "models reach the stores only through open_store/TableStore"),

@@ -96,9 +96,9 @@ def test_a_placement_added_to_the_table_is_served_everywhere(tables, monkeypatch
     is opened by open_store, gets its options from the settings and its graph policy, with
     no other change."""
     from engram_sglang.core.stores import open_store
-    from engram_sglang.core.stores.placements import DeviceStore
+    from engram_sglang.core.stores.device import DeviceStore
 
-    entry = Placement("hbm-copy", "engram_sglang.core.stores.placements:DeviceStore", (), ids_visit_host=False,
+    entry = Placement("hbm-copy", "engram_sglang.core.stores.device:DeviceStore", (), ids_visit_host=False,
                       capturable=False, whole_rows_with=(), cache_in_front=False, what="a test entry")
     monkeypatch.setitem(PLACEMENT_TABLE, "hbm-copy", entry)
     root, rows = tables

@@ -120,3 +120,15 @@ def open_store(
 
 
 __all__ = ["HotRowCache", "PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]
+
+
+# The placements' store classes, imported on first use (each pulls in its own dependencies).
+_STORE_CLASSES = {"DeviceStore": ".device", "HostStore": ".host", "DiskStore": ".disk"}
+
+
+def __getattr__(name: str):
+    if name in _STORE_CLASSES:
+        import importlib
+
+        return getattr(importlib.import_module(_STORE_CLASSES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
