@@ -2,7 +2,7 @@
 
 On this kind of machine (no GPU): the host library (`cpu`, all cores and one core) and the
 torch reference, on model-shaped id batches (decode 256 x 24, prefill 8192 x 24; shapes
-imported from tests/test_gather.py), uniform and Zipf-skewed ids, against the same-run memcpy
+imported from tests/core/test_gather.py), uniform and Zipf-skewed ids, against the same-run memcpy
 bandwidth. Bytes moved per row: 264 read + 512 written; the "lines" column counts the five
 64-byte lines a row touches instead of its 264 bytes. memcpy is a limit random 264-byte rows
 never reach; the limit that matters is `raw`, measured in the same rounds: the host library's

@@ -1,7 +1,7 @@
 """What a CUDA graph captures must not sync with the host or advance Python state; what it
 replays must still be counted and maintained. CPU proofs:
 
-* the capture fixture (tests/capture.py) raises on each kind of host sync and state change
+* the capture fixture (tests/support/capture.py) raises on each kind of host sync and state change
   (a negative test per kind), and passes the paths that claim to be capturable: the device
   and host stores' gather, the hot-row cache's gather over host placement (misses read from
   the inner table) and its directory lookup;

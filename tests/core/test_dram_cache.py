@@ -264,7 +264,7 @@ def test_direct_reads_go_by_native_aio_and_fall_back_to_pread(tables, rng, monke
     root, rows = tables
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, threads=16)[L]
-    store.native_step = False  # the store's own reader (the native step's, tests/test_disk_step.py)
+    store.native_step = False  # the store's own reader (the native step's, tests/core/test_disk_step.py)
     try:
         assert "native AIO" in store.describe()
         calls = []

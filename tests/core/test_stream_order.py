@@ -1,6 +1,6 @@
 """Stream discipline of the GPU code paths, proven on the CPU with a recording fake.
 
-No GPU here: `tests/fake_streams.py` stands in for torch.cuda's streams and events (a mock
+No GPU here: `tests/support/fake_streams.py` stands in for torch.cuda's streams and events (a mock
 of what cannot exist on this machine) and makes ordering mistakes visible: a device-to-host
 copy's destination holds poison until its event is waited for, and a pinned buffer
 rewritten while its host-to-device copy is still queued is reported as a hazard. What only

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 cannot start TP > 1 on its in-tree CPU platform (every model-parallel group
 builds a PyNccl communicator: "Expected a cuda device"). The test server runs on an
-out-of-tree copy of that platform with PyNccl switched off (tests/cpu_gloo_platform/), so
+out-of-tree copy of that platform with PyNccl switched off (tests/support/cpu_gloo_platform/), so
 the all-reduce goes to torch.distributed's gloo group; nothing of it ships.
 
 Two servers with host placement: private copies, where each rank holds half of every

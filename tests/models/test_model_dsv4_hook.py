@@ -84,7 +84,7 @@ def embeddings(runtime, layout):
 def upstream_hasher(rng):
     """Upstream's EngramHasher (a subclass whose forward the test wraps, so the class SGLang
     uses stays as it is), its buffers those of our NgramHasher for a random token map (its
-    constructor derives the same from a tokenizer: tests/test_hashing.py checks they agree)."""
+    constructor derives the same from a tokenizer: tests/core/test_hashing.py checks they agree)."""
     from engram_sglang import plugin
 
     ours = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))

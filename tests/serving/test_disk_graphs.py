@@ -3,7 +3,7 @@
 * the staged rows equal the eager path's bit for bit (random ids, several steps of changing
   batch sizes; rows past a step's tokens, a padded graph's rows, are +0.0), for the disk
   store alone, behind a DRAM row cache, behind a hot-row cache, and as one TP shard; and on
-  the GPU code path (tests/fake_streams.py: ids from the device, ordered copies, no hazard);
+  the GPU code path (tests/support/fake_streams.py: ids from the device, ordered copies, no hazard);
 * the captured part (EngramRuntime.begin + rows with staged buffers) passes the capture
   fixture (no host sync, no Python state advanced); a negative control that reads the store
   there raises;
