@@ -87,7 +87,6 @@ from bench.common import OUT, print_table, write_json  # noqa: E402
 from bench.dram_ways_cost import call_costs  # noqa: E402
 from bench.reuse_policies import POLICIES as REUSE_POLICIES  # noqa: E402
 from bench.workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
-
 from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
 from engram_sglang.core.stores.cache import RowDirectory  # noqa: E402
 from engram_sglang.core.stores.dram_cache import DEFAULT_WAYS, DramRowCache  # noqa: E402

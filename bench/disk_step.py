@@ -59,7 +59,6 @@ import torch
 from bench.common import OUT, drop_file_cache, print_table, write_json  # noqa: E402
 from bench.tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
 from bench.workload import hashed_streams  # noqa: E402
-
 from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
 from engram_sglang.core.stores import open_store, rowio  # noqa: E402
 from engram_sglang.core.stores.disk_step import NativeStep  # noqa: E402

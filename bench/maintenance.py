@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-
 
 from engram_sglang.core.ops import gather_dequant  # noqa: E402
 from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402

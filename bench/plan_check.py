@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.common import OUT, print_table, write_json  # noqa: E402
 from bench.tiers import decode_run, ensure_table  # noqa: E402
 from bench.workload import hashed_streams  # noqa: E402
-
 from engram_sglang.core.hashing import EngramLayout  # noqa: E402
 from engram_sglang.core.planning import disk as planner_disk  # noqa: E402
 from engram_sglang.core.stores import open_store  # noqa: E402

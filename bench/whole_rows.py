@@ -38,7 +38,6 @@ import torch
 
 from bench.common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
 from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
-
 from engram_sglang.core.config import EngramConfig  # noqa: E402
 from engram_sglang.core.planning import whole_rows  # noqa: E402
 from engram_sglang.core.planning.data import load_gpus  # noqa: E402

@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterable, Optional
 import atheris
 
 
-
 def instrumented():
     """Import the project's modules inside this to give the fuzzer their coverage (the
     package imports its modules lazily: name each one). Only the project's own: torch,

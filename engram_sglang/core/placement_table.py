@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from .errors import EngramError
 

@@ -17,14 +17,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from engram_sglang import testing
 from engram_sglang.core import rowformat
-from engram_sglang.testing import DECODE_IDS, PREFILL_IDS, ROW_BYTES
 from engram_sglang.core.ops import BackendUnavailableError, gather_dequant, gather_dequant_ref, native, probe
+from engram_sglang.testing import ROW_BYTES
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # Triton interpreter: inf
 

@@ -10,13 +10,11 @@ registration flags and device guard, the grid limit. `make gpu-check` runs the r
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

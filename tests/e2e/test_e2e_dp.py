@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference_completion
 from engram_sglang.serving.launch import Server
-from tests.support.parallel_support import check_one_copy_per_layer, private_shm_dir, prompts, serve_and_collect, table_rows, \
-    thread_bind
+from tests.support.demo_support import demo_dir, reference_completion
+from tests.support.parallel_support import (
+    check_one_copy_per_layer,
+    private_shm_dir,
+    prompts,
+    serve_and_collect,
+    table_rows,
+    thread_bind,
+)
 
 pytestmark = pytest.mark.slow
 

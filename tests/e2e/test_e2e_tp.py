@@ -18,10 +18,18 @@ import sys
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference, reference_completion
 from engram_sglang.serving.launch import Server
-from tests.support.parallel_support import GLOO_PLATFORM_DIR, check_one_copy_per_layer, private_shm_dir, prompts, \
-    serve_and_collect, table_rows, thread_bind, use_gloo_platform
+from tests.support.demo_support import demo_dir, reference, reference_completion
+from tests.support.parallel_support import (
+    GLOO_PLATFORM_DIR,
+    check_one_copy_per_layer,
+    private_shm_dir,
+    prompts,
+    serve_and_collect,
+    table_rows,
+    thread_bind,
+    use_gloo_platform,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from engram_sglang import plugin
-from engram_sglang.plugin import server_args
 from engram_sglang.core.errors import EngramConfigError, EngramError
+from engram_sglang.plugin import server_args
 from engram_sglang.serving.graphs import check_capturable, graph_args, placement_needs_host_ids
 from engram_sglang.serving.launch import CPU_SHIM
 from engram_sglang.serving.settings import KNOBS

@@ -408,7 +408,7 @@ def small_model(tmp_path) -> tuple[Path, object]:
     return tmp_path, EngramConfig.from_pretrained(tmp_path)
 
 
-def zipf_trace(cfg, steps=60, streams=32, seed=0) -> dict[int, "np.ndarray"]:
+def zipf_trace(cfg, steps=60, streams=32, seed=0) -> dict:
     import numpy as np
 
     from engram_sglang.core.hashing import EngramLayout

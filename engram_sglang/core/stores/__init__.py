@@ -13,10 +13,10 @@ from ..errors import EngramError
 from ..placement_table import PLACEMENTS, WHOLE
 from ..placement_table import placement as placement_spec
 from ..tablefile import open_tables
+from . import rowio
 from .base import Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .metrics import METRICS
-from . import rowio
 
 logger = logging.getLogger(__name__)
 

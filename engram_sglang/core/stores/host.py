@@ -16,11 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ..errors import EngramError
-from ..ops import gather_dequant, probe
+from ..ops import probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmcopy

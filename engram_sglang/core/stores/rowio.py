@@ -12,9 +12,9 @@ import numpy as np
 
 from .. import nativelibs
 from ..errors import EngramError
+from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 from . import dram_cache
 from .dram_cache import STATE_FIELDS
-from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
 _LIB_NAME = "libengram_rowio.so"
 
