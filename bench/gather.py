@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-from bench.common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json  # noqa: E402
-from engram_sglang.core import rowformat  # noqa: E402
-from engram_sglang.core.ops import gather_dequant, native  # noqa: E402
-from engram_sglang.testing import DECODE_IDS, PREFILL_IDS  # noqa: E402
+from bench.common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json
+from engram_sglang.core import rowformat
+from engram_sglang.core.ops import gather_dequant, native
+from engram_sglang.testing import DECODE_IDS, PREFILL_IDS
 
 READ, WRITTEN, LINES = rowformat.ROW_BYTES, 2 * rowformat.PAYLOAD_BYTES, 5 * 64
 

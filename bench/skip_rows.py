@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench.common import OUT  # noqa: E402
+from bench.common import OUT
 
 STDLIB = Path(os.__file__).parent
 HISTORY = [STDLIB / f for f in ("ast.py", "base64.py", "bdb.py", "calendar.py", "codecs.py", "configparser.py",

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from bench.common import OUT, machine, print_table  # noqa: E402
-from engram_sglang.serving.launch import Server, _group_members  # noqa: E402
+from bench.common import OUT, machine, print_table
+from engram_sglang.serving.launch import Server, _group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS_LIB = ROOT / "build" / "kernels" / "libengram_faults.so"

@@ -15,20 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import atheris  # noqa: E402
+import atheris
 
-from fuzz.fuzz_common import (  # noqa: E402
-    RuleBroken,
-    Scratch,
-    dump_json,
-    edit_bytes,
-    edit_json,
-    fuzz_main,
-    instrumented,
-    keep_rule,
-    pick_kind,
-    place,
-)
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # isort: skip (one line)
 
 with instrumented():
     from engram_sglang.core.config import EngramConfig, configs_dir

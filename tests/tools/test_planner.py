@@ -393,7 +393,7 @@ def test_a_trace_gives_each_layouts_hit_rate_by_replay(tmp_path):
 
 
 # ------------------------------------------------------------------ disk placement: when SSD pays
-from engram_sglang.core.planning import disk as disk_plan  # noqa: E402
+from engram_sglang.core.planning import disk as disk_plan
 
 
 def small_model(tmp_path) -> tuple[Path, object]:
