@@ -135,7 +135,7 @@ def test_gpu_matrix_covers_every_sku():
             assert m["base_image"].endswith(family), m
     steps = " ".join(s.get("run", "") for s in yaml.safe_load(
         (ROOT / ".github" / "workflows" / "gpu.yml").read_text())["jobs"]["gpu"]["steps"])
-    assert "engram-make test-gpu" in steps and "bench/gpu_check.py" in steps
+    assert "engram-make test-gpu" in steps and "python3 -m bench.gpu_check" in steps
 
 
 def test_cpu_workflow_runs_the_ci_entry_point():
