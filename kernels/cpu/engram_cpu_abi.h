@@ -32,19 +32,19 @@ int engram_cpu_decode_avx512(void);
 // global rows [lo, hi) and write bf16 bits to out[n][256]; ids outside [lo, hi) give +0 rows.
 // threads <= 0 means all usable cores (or ENGRAM_CPU_THREADS). Returns ENGRAM_OK or a negative
 // engram_status.
-int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-                              int64_t hi, uint16_t* out, int threads);
+int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                              uint16_t* out, int threads);
 
 // Test hook: the same gather through another decode path (`decoder`: 1 the host form with
 // gfx942's fnuz -> fn fix-up, 2 the GPU launchers' device form run thread by thread, 3 the
 // device form with the fix-up, 5 the portable host decode). Other values: ENGRAM_BAD_ARGUMENT.
-int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes, int64_t n,
-                                       int64_t lo, int64_t hi, uint16_t* out, int threads, int decoder);
+int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
+                                       int64_t hi, uint16_t* out, int threads, int decoder);
 
 // Benchmark limit: the packed rows of `ids` copied to out[n][264] (+0 rows outside [lo, hi)),
 // by the production gather's loop and threads minus the decode.
-int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-                          int64_t hi, uint8_t* out, int threads);
+int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                          uint8_t* out, int threads);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -101,8 +101,9 @@ ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_st
 // scale steps in bf16 bits mod 2^16. A plain scale keeps every non-zero magnitude inside
 // bf16's normal range, so the add neither borrows from nor carries into the sign.
 template <bool kStream = false>
-ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_fast_pair(
-    const Avx512DecodeRegs& r, __m512i b, __m512i ka, __m512i kb, uint16_t* o) {
+ENGRAM_AVX512_DECODE_TARGET __attribute__((always_inline)) inline void avx512_fast_pair(const Avx512DecodeRegs& r,
+                                                                                        __m512i b, __m512i ka,
+                                                                                        __m512i kb, uint16_t* o) {
     // maskz with all lanes: the unmasked intrinsics trip GCC 12's -Wmaybe-uninitialized.
     const __m512i p = _mm512_maskz_permutexvar_epi8(~uint64_t{0}, r.order, b);
     const __m512i lo = _mm512_permutex2var_epi8(r.lo_a, p, r.lo_b);
@@ -149,8 +150,8 @@ ENGRAM_AVX512_DECODE_TARGET inline void dequant_row_avx512(const uint8_t* __rest
     }
     const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + kRowValues));
     // plain_scale for all 8 bytes at once: e - 10 <= 236 unsigned.
-    const __mmask16 plain = _mm_cmple_epu8_mask(_mm_sub_epi8(s, _mm_set1_epi8(10)),
-                                                _mm_set1_epi8(static_cast<char>(236)));
+    const __mmask16 plain =
+        _mm_cmple_epu8_mask(_mm_sub_epi8(s, _mm_set1_epi8(10)), _mm_set1_epi8(static_cast<char>(236)));
     if (special != 0 || (plain & 0xFFu) != 0xFFu) return dequant_row_avx512_mixed(row, out);
     // The 8 scale steps (e - 127) << 7 as words; block k's is broadcast from word 0 after k shifts.
     __m128i k = _mm_slli_epi16(_mm_sub_epi16(_mm_cvtepu8_epi16(s), _mm_set1_epi16(127)), 7);

@@ -84,8 +84,7 @@ void device_form(const Job& j, int64_t begin, int64_t end) {
     uint16_t* out = j.out + begin * kRowValues;
     for (int64_t first = 0; first < end - begin; first += kEmuRowsPerBlock)
         for (int tid = 0; tid < kEmuBlockThreads; ++tid)
-            engram::gather_dequant_rows<Dec, kEmuUnroll, IdT>(j.table, ids, end - begin, j.lo,
-                                                              j.hi, out, first,
+            engram::gather_dequant_rows<Dec, kEmuUnroll, IdT>(j.table, ids, end - begin, j.lo, j.hi, out, first,
                                                               kEmuRowsPerPass, tid);
 }
 
@@ -120,6 +119,7 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
         uint16_t* o = j.out + r * kRowValues;
         if (engram::id_in_range(id, j.lo, j.hi)) {
             const uint8_t* row = j.table + (id - j.lo) * kRowBytes;
+            // clang-format off: one if-else chain across the #if (clang-format would join its first line)
             if constexpr (std::is_same<Decoder, PortableRows>::value)
                 engram::dequant_row_host(row, o);
 #if ENGRAM_HAVE_AVX512_DECODE
@@ -130,6 +130,7 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
 #endif
             else
                 engram::dequant_row<Decoder>(row, o);
+            // clang-format on
         } else {
             for (int i = 0; i < kRowValues; ++i) o[i] = 0;
         }
@@ -146,12 +147,8 @@ inline __attribute__((always_inline)) void rows_body(const Job& j, int64_t begin
 #define ENGRAM_ISA_CLONES
 #endif
 
-ENGRAM_ISA_CLONES void rows_soft_i32(const Job& j, int64_t b, int64_t e) {
-    rows_body<PortableRows, int32_t>(j, b, e);
-}
-ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) {
-    rows_body<PortableRows, int64_t>(j, b, e);
-}
+ENGRAM_ISA_CLONES void rows_soft_i32(const Job& j, int64_t b, int64_t e) { rows_body<PortableRows, int32_t>(j, b, e); }
+ENGRAM_ISA_CLONES void rows_soft_i64(const Job& j, int64_t b, int64_t e) { rows_body<PortableRows, int64_t>(j, b, e); }
 
 #if ENGRAM_HAVE_AVX512_DECODE
 // The loop built for the decode's ISA, so that the row decode and its constants are inlined
@@ -266,7 +263,7 @@ int default_threads() {
 }
 
 class Pool {
-   public:
+  public:
     explicit Pool(int workers) : pid_(getpid()) {
         for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { worker(); });
     }
@@ -308,7 +305,7 @@ class Pool {
         job_ = nullptr;
     }
 
-   private:
+  private:
     void drain() {
         const Job& j = *job_;
         for (;;) {
@@ -381,8 +378,8 @@ int threads_for(int64_t n, int threads) {
     return static_cast<int>(threads < tasks ? threads : tasks);
 }
 
-int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-           int64_t hi, uint16_t* out, int threads, int decoder) {
+int gather(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi, uint16_t* out,
+           int threads, int decoder) {
     if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
     if (n == 0) return engram::kOk;
     if (ids == nullptr || out == nullptr || (table == nullptr && hi > lo)) return engram::kBadArgument;
@@ -411,21 +408,20 @@ int engram_cpu_threads_for(int64_t n, int threads) { return threads_for(n, threa
 
 int engram_cpu_decode_avx512(void) { return g_avx512_decode ? 1 : 0; }
 
-int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n,
-                              int64_t lo, int64_t hi, uint16_t* out, int threads) {
+int engram_cpu_gather_dequant(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                              uint16_t* out, int threads) {
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, 0);
 }
 
 // `decoder`: an enum Decoder value above (conversion instructions replaced by software decodes).
-int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes,
-                                       int64_t n, int64_t lo, int64_t hi, uint16_t* out,
-                                       int threads, int decoder) {
+int engram_cpu_gather_dequant_emulated(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
+                                       int64_t hi, uint16_t* out, int threads, int decoder) {
     if (decoder != kHostPortable && (decoder < kHostSoft || decoder > kDeviceFnuz)) return engram::kBadArgument;
     return gather(table, ids, id_bytes, n, lo, hi, out, threads, decoder);
 }
 
-int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-                          int64_t hi, uint8_t* out, int threads) {
+int engram_cpu_gather_raw(const uint8_t* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                          uint8_t* out, int threads) {
     return gather(table, ids, id_bytes, n, lo, hi, reinterpret_cast<uint16_t*>(out), threads, kRawRows);
 }
 

@@ -24,7 +24,6 @@
 #include "vendor.h"
 #endif
 
-
 // engram_cuda_<name> / engram_hip_<name>: the same entry points and signatures for both, declared
 // once in the ABI header (ENGRAM_GPU_API names them for the vendor above).
 #include "engram_gpu_abi.h"

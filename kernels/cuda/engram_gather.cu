@@ -30,11 +30,11 @@ static_assert(engram_gpu::kWarpSize % engram::kChunksPerRow == 0, "a warp covers
 
 template <typename IdT>
 __global__ void __launch_bounds__(kBlockThreads)
-    engram_gather_kernel(const uint8_t* __restrict__ table, const IdT* __restrict__ ids,
-                         int64_t n, int64_t lo, int64_t hi, uint16_t* __restrict__ out) {
+    engram_gather_kernel(const uint8_t* __restrict__ table, const IdT* __restrict__ ids, int64_t n, int64_t lo,
+                         int64_t hi, uint16_t* __restrict__ out) {
     const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
     engram::gather_dequant_rows<engram_gpu::NativeE4m3fn, kUnroll, IdT>(table, ids, n, lo, hi, out, first_row,
-                                                                       kRowsPerPass, threadIdx.x);
+                                                                        kRowsPerPass, threadIdx.x);
 }
 
 }  // namespace
@@ -70,11 +70,13 @@ int ENGRAM_GPU_API(check_device)(int device, int* binary_version) {
 }
 
 int ENGRAM_GPU_API(device_info)(int device, int* out) {
-    const cudaDeviceAttr attrs[7] = {
-        cudaDevAttrComputeCapabilityMajor, cudaDevAttrComputeCapabilityMinor,
-        cudaDevAttrWarpSize, cudaDevAttrUnifiedAddressing,
-        cudaDevAttrCanUseHostPointerForRegisteredMem, cudaDevAttrPageableMemoryAccess,
-        cudaDevAttrCanMapHostMemory};
+    const cudaDeviceAttr attrs[7] = {cudaDevAttrComputeCapabilityMajor,
+                                     cudaDevAttrComputeCapabilityMinor,
+                                     cudaDevAttrWarpSize,
+                                     cudaDevAttrUnifiedAddressing,
+                                     cudaDevAttrCanUseHostPointerForRegisteredMem,
+                                     cudaDevAttrPageableMemoryAccess,
+                                     cudaDevAttrCanMapHostMemory};
     for (int i = 0; i < 7; ++i) {
         const cudaError_t err = cudaDeviceGetAttribute(&out[i], attrs[i], device);
         if (err != cudaSuccess) return err;
@@ -82,8 +84,8 @@ int ENGRAM_GPU_API(device_info)(int device, int* out) {
     return 0;
 }
 
-int ENGRAM_GPU_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-                               int64_t hi, void* out, void* stream) {
+int ENGRAM_GPU_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                                   void* out, void* stream) {
     if (n < 0 || lo < 0 || lo > hi || (id_bytes != 4 && id_bytes != 8)) return engram::kBadArgument;
     if (n == 0) return 0;
     if (ids == nullptr || out == nullptr || (table == nullptr && hi > lo)) return engram::kBadArgument;

@@ -54,8 +54,8 @@ int ENGRAM_GPU_API(device_info)(int device, int* out);
 // be device-accessible. Ids outside [lo, hi) give +0 rows. Asynchronous: returns 0, a negative
 // engram_status, or the launch error; execution errors surface at the next synchronization. A
 // grid beyond the runtime's launch limit is ENGRAM_BAD_ARGUMENT.
-int ENGRAM_GPU_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo,
-                                   int64_t hi, void* out, void* stream);
+int ENGRAM_GPU_API(gather_dequant)(const void* table, const void* ids, int id_bytes, int64_t n, int64_t lo, int64_t hi,
+                                   void* out, void* stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -61,4 +61,3 @@ struct NativeE4m3fn {
     }
 };
 }  // namespace engram_gpu
-

@@ -83,8 +83,8 @@ struct Avx512Row {  // inlined into decode_*_avx512 (flatten: the same target)
 
 // bf16 rows of ids [b, e): staging row local[i], or +0 for an id outside the shard (local == unique).
 template <class Row>
-inline __attribute__((always_inline)) void decode_rows_body(const uint8_t* packed, const int64_t* local,
-                                                            int64_t unique, int64_t b, int64_t e, uint16_t* out) {
+inline __attribute__((always_inline)) void decode_rows_body(const uint8_t* packed, const int64_t* local, int64_t unique,
+                                                            int64_t b, int64_t e, uint16_t* out) {
     engram::DenormalGuard guard;
     for (int64_t i = b; i < e; ++i) {
         uint16_t* o = out + i * engram::kRowValues;
@@ -111,8 +111,8 @@ inline void group_positions(const int64_t* local, int64_t n, int64_t unique, std
 // first position and copied to the others (the same bits); +0 for u == unique.
 template <class Row>
 inline __attribute__((always_inline)) void decode_units_body(const uint8_t* packed, const int64_t* start,
-                                                             const int64_t* order, int64_t unique,
-                                                             const int64_t* units, int64_t count, uint16_t* out) {
+                                                             const int64_t* order, int64_t unique, const int64_t* units,
+                                                             int64_t count, uint16_t* out) {
     engram::DenormalGuard guard;
     constexpr size_t kOutRow = engram::kRowValues * sizeof(uint16_t);
     for (int64_t k = 0; k < count; ++k) {
@@ -138,13 +138,15 @@ ENGRAM_IO_ISA_CLONES inline void decode_units_portable(const uint8_t* packed, co
     decode_units_body<PortableRow>(packed, start, order, unique, units, count, out);
 }
 #if ENGRAM_HAVE_AVX512_DECODE
-ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_rows_avx512(const uint8_t* packed, const int64_t* local,
-                                                           int64_t unique, int64_t b, int64_t e, uint16_t* out) {
+ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_rows_avx512(const uint8_t* packed,
+                                                                                    const int64_t* local,
+                                                                                    int64_t unique, int64_t b,
+                                                                                    int64_t e, uint16_t* out) {
     decode_rows_body<Avx512Row>(packed, local, unique, b, e, out);
 }
-ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_units_avx512(const uint8_t* packed, const int64_t* start,
-                                                            const int64_t* order, int64_t unique,
-                                                            const int64_t* units, int64_t count, uint16_t* out) {
+ENGRAM_AVX512_DECODE_TARGET __attribute__((flatten)) inline void decode_units_avx512(
+    const uint8_t* packed, const int64_t* start, const int64_t* order, int64_t unique, const int64_t* units,
+    int64_t count, uint16_t* out) {
     decode_units_body<Avx512Row>(packed, start, order, unique, units, count, out);
 }
 #endif
@@ -163,7 +165,8 @@ inline std::atomic<bool>& use_avx512_decode() {
 inline void decode_rows(const uint8_t* packed, const int64_t* local, int64_t unique, int64_t b, int64_t e,
                         uint16_t* out) {
 #if ENGRAM_HAVE_AVX512_DECODE
-    if (use_avx512_decode().load(std::memory_order_relaxed)) return decode_rows_avx512(packed, local, unique, b, e, out);
+    if (use_avx512_decode().load(std::memory_order_relaxed))
+        return decode_rows_avx512(packed, local, unique, b, e, out);
 #endif
     decode_rows_portable(packed, local, unique, b, e, out);
 }
@@ -207,9 +210,11 @@ inline void sort_by_id(std::vector<IdPos>& a, int64_t n) {
     IdPos* dst = tmp.data();
     for (int shift = 0; shift < bits; shift += kBits) {
         int64_t count[(1 << kBits) + 1] = {};
-        for (int64_t i = 0; i < n; ++i) ++count[((static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)) + 1];
+        for (int64_t i = 0; i < n; ++i)
+            ++count[((static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)) + 1];
         for (int k = 0; k < (1 << kBits); ++k) count[k + 1] += count[k];
-        for (int64_t i = 0; i < n; ++i) dst[count[(static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)]++] = src[i];
+        for (int64_t i = 0; i < n; ++i)
+            dst[count[(static_cast<uint64_t>(src[i].first) >> shift) & ((1 << kBits) - 1)]++] = src[i];
         std::swap(src, dst);
     }
     if (src != a.data()) std::copy(src, src + n, a.data());

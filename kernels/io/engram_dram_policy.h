@@ -20,8 +20,8 @@
 namespace engram_io {
 
 constexpr int64_t kSketchDepth = 4;
-constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D6478BD642Full,
-                                                 0xE7037ED1A0B428DBull, 0x8EBC6AF09C88C6E3ull};
+constexpr uint64_t kSketchMults[kSketchDepth] = {0xD6E8FEB86659FD93ull, 0xA0761D6478BD642Full, 0xE7037ED1A0B428DBull,
+                                                 0x8EBC6AF09C88C6E3ull};
 // 4-bit sketch counters: rows 2k and 2k+1 share plane k of `width` bytes (2k low nibbles, 2k+1 high).
 constexpr int kCountCap = 15;
 // The format of the policy's arrays (counter width and packing). Bumped with any change to it:
@@ -89,7 +89,8 @@ inline int64_t find_in(const DramCache& c, int64_t base, int64_t id) {
 
 inline void age(DramCache& c) {
     const int64_t n = kSketchDepth * c.sketch_width / 2;
-    for (int64_t i = 0; i < n; ++i) c.sketch[i] = static_cast<uint8_t>((c.sketch[i] >> 1) & 0x77);  // each nibble halved
+    for (int64_t i = 0; i < n; ++i)
+        c.sketch[i] = static_cast<uint8_t>((c.sketch[i] >> 1) & 0x77);  // each nibble halved
     for (int64_t i = 0; i < c.slots; ++i) c.count[i] >>= 1;
     c.state[kSinceAging] = 0;
     c.state[kAgings] += 1;
@@ -103,7 +104,8 @@ inline void count_reads(DramCache& c, const int64_t* ids, int64_t n, uint8_t* co
     for (int64_t i = 0; i < n; ++i) sketch_index(c, ids[i], where.data() + i * kSketchDepth);
     for (int64_t i = 0; i < n; ++i) {
         if (i + kPrefetchIds < n)
-            for (int64_t d = 0; d < kSketchDepth; ++d) __builtin_prefetch(c.sketch + where[(i + kPrefetchIds) * kSketchDepth + d]);
+            for (int64_t d = 0; d < kSketchDepth; ++d)
+                __builtin_prefetch(c.sketch + where[(i + kPrefetchIds) * kSketchDepth + d]);
         const int64_t* w = where.data() + i * kSketchDepth;
         uint8_t m = counter(c, w[0], 0);
         for (int64_t d = 1; d < kSketchDepth; ++d) m = std::min(m, counter(c, w[d], d));
@@ -200,7 +202,7 @@ inline int64_t admit_plan(const DramCache& c, const int64_t* ids, int64_t n, std
         const int64_t base = set * c.ways;
         for (int64_t w = 0; w < c.ways; ++w) {
             const int64_t last = c.last[base + w];
-            key[w] = !frequency ? last
+            key[w] = !frequency     ? last
                      : last < clock ? (static_cast<int64_t>(c.count[base + w]) << kClockBits) | last
                                     : kUsedNow;
             by_age[w] = w;

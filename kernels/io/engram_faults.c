@@ -237,8 +237,8 @@ static int decide_eio(void) {
         }
     }
     if (!fail) {
-        const int start = cfg.eio_every > 0 ? (n % (uint64_t)cfg.eio_every == 0)
-                                            : (cfg.eio_prob > 0 && uniform() < cfg.eio_prob);
+        const int start =
+            cfg.eio_every > 0 ? (n % (uint64_t)cfg.eio_every == 0) : (cfg.eio_prob > 0 && uniform() < cfg.eio_prob);
         if (start && gap_allows()) {
             bump(C_BURSTS, 1);
             if (cfg.eio_burst_ms > 0)
@@ -255,8 +255,8 @@ static int decide_eio(void) {
 // One matched call: sleeps STALL_MS when it must stall.
 static void maybe_stall(void) {
     const uint64_t n = atomic_fetch_add(&matched_calls, 1) + 1;
-    const int stall = cfg.stall_every > 0 ? (n % (uint64_t)cfg.stall_every == 0)
-                                          : (cfg.stall_prob > 0 && uniform() < cfg.stall_prob);
+    const int stall =
+        cfg.stall_every > 0 ? (n % (uint64_t)cfg.stall_every == 0) : (cfg.stall_prob > 0 && uniform() < cfg.stall_prob);
     if (!stall || cfg.stall_ms <= 0) return;
     struct timespec ts = {cfg.stall_ms / 1000, (cfg.stall_ms % 1000) * 1000000L};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {

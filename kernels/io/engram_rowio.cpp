@@ -12,8 +12,9 @@
 //    spread over N threads. Slower for cached rows, but it reports the real errno; the
 //    caller uses it to retry and to name what failed.
 //  * aio: O_DIRECT reads by io_uring (engram_uring.h) or, where it is unavailable, Linux
-//    native AIO, from the calling thread, `depth` in flight (what fio's engines do). A blocking pread per row costs a thread switch per row: on a
-//    2-core VM 64 threads burned ~10 us of CPU per row and reached half the disk's IOPS.
+//    native AIO, from the calling thread, `depth` in flight (what fio's engines do). A blocking
+//    pread per row costs a thread switch per row: on a 2-core VM 64 threads burned ~10 us of
+//    CPU per row and reached half the disk's IOPS.
 //    Sorted rows whose pages touch are merged into one read of up to 64 KiB.
 //
 // No torch, no Python: loaded with ctypes. Built without -ffast-math like every kernel here.
@@ -385,7 +386,9 @@ class ExtentReads {
     }
 
     // Slot and extent in one tag (a completion's aio_data / user_data).
-    static uint64_t tag(size_t index, int slot) { return (static_cast<uint64_t>(index) << 16) | static_cast<uint64_t>(slot); }
+    static uint64_t tag(size_t index, int slot) {
+        return (static_cast<uint64_t>(index) << 16) | static_cast<uint64_t>(slot);
+    }
 
     int depth_ = 0;
     int fd_ = -1;
@@ -752,8 +755,8 @@ int engram_disk_step(const engram_io::DiskFile* file, engram_io::DramCache* cach
                      int decode_threads, engram_io::StepResult* result) {
     using namespace engram_io;
     *result = StepResult{0, 0, 0, -1};
-    if (file == nullptr || n < 0 || (n > 0 && (ids == nullptr || wanted == nullptr || local == nullptr ||
-                                                packed == nullptr || missed == nullptr)))
+    if (file == nullptr || n < 0 ||
+        (n > 0 && (ids == nullptr || wanted == nullptr || local == nullptr || packed == nullptr || missed == nullptr)))
         return kStepBadArgument;
     const int64_t unique = dedupe(ids, n, file->lo, file->hi, wanted, local);
     result->unique = unique;
@@ -928,6 +931,7 @@ int engram_disk_step_decode(int want) {
 
 int64_t engram_disk_step_layout(int what) {
     using namespace engram_io;
+    // clang-format off: one line per layout field, as a table
     switch (what) {
         case 0: return static_cast<int64_t>(sizeof(DiskFile));
         case 1: return static_cast<int64_t>(sizeof(DramCache));
@@ -939,6 +943,7 @@ int64_t engram_disk_step_layout(int what) {
         case 7: return kClockBits;
         default: return -1;
     }
+    // clang-format on
 }
 
 }  // extern "C"

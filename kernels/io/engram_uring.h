@@ -162,8 +162,8 @@ class Uring {
             // Never wait for more than the kernel holds once these are in: a read still in the
             // SQ would never complete.
             const unsigned held = in_flight - pending + ask;
-            const long r = syscall(__NR_io_uring_enter, fd_, ask, std::min(wait, held), IORING_ENTER_GETEVENTS,
-                                   nullptr, 0);
+            const long r =
+                syscall(__NR_io_uring_enter, fd_, ask, std::min(wait, held), IORING_ENTER_GETEVENTS, nullptr, 0);
             if (r >= 0) {
                 if (ask > 0 && g_fail_enters.load(std::memory_order_relaxed) > 0 && g_fail_enters.fetch_sub(1) > 0)
                     return EIO;
