@@ -79,7 +79,7 @@ def test_a_broken_citation_is_reported(tmp_path):
 
 # ------------------------------------------------------------ code paths the prose cites
 # The pages whose paths a reader follows (the code's own docstrings are the lint's business).
-PROSE = ("README.md", "CONTRIBUTING.md", "docs/*.md", "kernels/README.md")
+PROSE = ("README.md", "CONTRIBUTING.md", "docs/*.md", "kernels/README.md", "docker/README.md")
 TOP_LEVEL = ("engram_sglang", "kernels", "tests", "bench", "fuzz", "configs", "docker", "scripts", "mk", ".ci",
              ".github", "requirements")
 # A file name alone counts for source extensions; a data or config name alone (`manifest.json`,
@@ -95,7 +95,9 @@ NOT_OURS = {"_pyio.py", "argparse.py", "bisect.py", "dataclasses.py", "llama.cpp
 # Not one that continues an absolute path, a URL, a variable or an argument's value (`--domain code=a.py`).
 TOKEN = re.compile(r"(?<![\w./:@~$=-])[\w.*<>{}-]+(?:/[\w.*<>{}-]*)*")
 COMPONENT = re.compile(r"[A-Za-z_.][\w.-]*")
-PLACEHOLDER = re.compile(r"[*<>{}]|(?:^|/)[A-Z][A-Z0-9_]*(?:\.\w+)?(?:/|$)")
+# A placeholder: a glob or template character, a component in capitals (`MODEL_DIR/`), or
+# NAME / X inside a name (`tests/tools/test_bench_NAME.py`).
+PLACEHOLDER = re.compile(r"[*<>{}]|(?:^|/)[A-Z][A-Z0-9_]*(?:\.\w+)?(?:/|$)|(?<![A-Za-z0-9])(?:NAME|X)(?![A-Za-z0-9])")
 REAL_CAPS = re.compile(r"(?:^|/)(?:README|CONTRIBUTING|MANIFEST|LICENSE)\.\w+$")
 
 
@@ -156,7 +158,7 @@ def test_a_missing_code_path_is_reported(tmp_path):
     (tmp_path / "README.md").write_text(
         "Present: `serving/modes.py`, engram_sglang/serving/, `cuda/vendor.h`, tests/core/test_x.py::test_y, setup.py.\n"
         "Gone: `engram_sglang/gone.py`, `ops/gather.py`,\nmodes.py, tests/test_x.py, `kernels/io/`, Makefile.\n"
-        "Not paths: bench/NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json, manifest.json, argparse.py, "
+        "Not paths: bench/NAME.py, tests/tools/test_bench_NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json, manifest.json, argparse.py, "
         "https://x.org/a/b.py, /dev/shm/, --domain code=a.py, bench/out/gather.json, 3.5/7.2/.\n")
     found = missing_code_paths(tmp_path)
     reported = {f.split(" cites ")[1].split(",")[0] for f in found}
