@@ -1,5 +1,5 @@
-"""The docs the code cites exist in the repository, nothing points outside it, and the
-operating guide's flag table is the one the code prints."""
+"""The docs the code cites exist in the repository, the code paths the docs cite exist, nothing
+points outside it, and the operating guide's flag table is the one the code prints."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_a_broken_citation_is_reported(tmp_path):
 
 
 # ------------------------------------------------------------ code paths the prose cites
-# The pages whose paths a reader follows (the code's own docstrings are the lint's business).
+# The pages whose paths a reader follows (paths in the code's docstrings are not checked here).
 PROSE = ("README.md", "CONTRIBUTING.md", "docs/*.md", "kernels/README.md", "docker/README.md")
 TOP_LEVEL = ("engram_sglang", "kernels", "tests", "bench", "fuzz", "configs", "docker", "scripts", "mk", ".ci",
              ".github", "requirements")
@@ -156,10 +156,12 @@ def test_a_missing_code_path_is_reported(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("")
     (tmp_path / "README.md").write_text(
-        "Present: `serving/modes.py`, engram_sglang/serving/, `cuda/vendor.h`, tests/core/test_x.py::test_y, setup.py.\n"
+        "Present: `serving/modes.py`, engram_sglang/serving/, `cuda/vendor.h`, tests/core/test_x.py::test_y, "
+        "setup.py.\n"
         "Gone: `engram_sglang/gone.py`, `ops/gather.py`,\nmodes.py, tests/test_x.py, `kernels/io/`, Makefile.\n"
-        "Not paths: bench/NAME.py, tests/tools/test_bench_NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json, manifest.json, argparse.py, "
-        "https://x.org/a/b.py, /dev/shm/, --domain code=a.py, bench/out/gather.json, 3.5/7.2/.\n")
+        "Not paths: bench/NAME.py, tests/tools/test_bench_NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json,\n"
+        "manifest.json, argparse.py, https://x.org/a/b.py, /dev/shm/, --domain code=a.py, bench/out/gather.json, "
+        "3.5/7.2/.\n")
     found = missing_code_paths(tmp_path)
     reported = {f.split(" cites ")[1].split(",")[0] for f in found}
     assert reported == {"engram_sglang/gone.py", "ops/gather.py", "modes.py", "tests/test_x.py", "kernels/io/",
