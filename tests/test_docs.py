@@ -133,6 +133,25 @@ def resolves(root: Path, token: str, page: Path) -> bool:
     return any((base / path).is_dir() if token.endswith("/") else (base / path).is_file() for base in bases)
 
 
+def defines(path: Path, name: str) -> bool:
+    return re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b", path.read_text(), re.MULTILINE) is not None
+
+
+def missing_functions(root: Path, page: Path, text: str) -> list[str]:
+    """Test functions cited as `path::name` (or `::name` after such a path on its line) that
+    the file does not define."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        current = None
+        for m in re.finditer(r"(tests/[\w/]+\.py)?::(\w+)", line):
+            if m.group(1):
+                current = root / m.group(1)
+            if current is not None and current.is_file() and not defines(current, m.group(2)):
+                found.append(f"{page.relative_to(root)}:{number}: cites {current.relative_to(root)}::{m.group(2)}, "
+                             f"which that file does not define")
+    return found
+
+
 def missing_code_paths(root: Path) -> list[str]:
     found = []
     for page in prose_files(root):
@@ -143,6 +162,7 @@ def missing_code_paths(root: Path) -> list[str]:
                 continue
             line = text[:m.start()].count("\n") + 1
             found.append(f"{page.relative_to(root)}:{line}: cites {token}, which is not in the repository")
+        found += missing_functions(root, page, text)
     return found
 
 
@@ -154,16 +174,19 @@ def test_every_cited_code_path_exists():
 def test_a_missing_code_path_is_reported(tmp_path):
     for path in ("engram_sglang/serving/modes.py", "kernels/cuda/vendor.h", "tests/core/test_x.py", "setup.py"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text("")
+        (tmp_path / path).write_text("def test_y():\n    pass\n" if path.endswith("test_x.py") else "")
     (tmp_path / "README.md").write_text(
         "Present: `serving/modes.py`, engram_sglang/serving/, `cuda/vendor.h`, tests/core/test_x.py::test_y, "
         "setup.py.\n"
         "Gone: `engram_sglang/gone.py`, `ops/gather.py`,\nmodes.py, tests/test_x.py, `kernels/io/`, Makefile.\n"
+        "`tests/core/test_x.py::test_y`, `::test_gone`.\n`::test_z` follows no file.\n"
         "Not paths: bench/NAME.py, tests/tools/test_bench_NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json,\n"
         "manifest.json, argparse.py, https://x.org/a/b.py, /dev/shm/, --domain code=a.py, bench/out/gather.json, "
         "3.5/7.2/.\n")
     found = missing_code_paths(tmp_path)
-    reported = {f.split(" cites ")[1].split(",")[0] for f in found}
+    reported = {f.split(" cites ")[1].split(",")[0] for f in found if "does not define" not in f}
     assert reported == {"engram_sglang/gone.py", "ops/gather.py", "modes.py", "tests/test_x.py", "kernels/io/",
                         "Makefile"}, found
     assert any(f.startswith("README.md:3: cites modes.py") for f in found), found
+    functions = [f for f in found if "does not define" in f]
+    assert functions == ["README.md:4: cites tests/core/test_x.py::test_gone, which that file does not define"], found
