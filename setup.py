@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 def host_sources() -> tuple:
     """The list nativelibs.py builds from (read from that file alone: the package's
     dependencies are not installed while a wheel builds)."""
-    spec = importlib.util.spec_from_file_location("_nativelibs", ROOT / "engram_sglang" / "nativelibs.py")
+    spec = importlib.util.spec_from_file_location("_nativelibs", ROOT / "engram_sglang" / "core" / "nativelibs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.HOST_SOURCES

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench.common import OUT  # noqa: E402
+from bench.common import OUT
 
 STDLIB = Path(os.__file__).parent
 OWN = [STDLIB / "_pyio.py"]

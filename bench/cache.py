@@ -83,14 +83,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import OUT, print_table, write_json  # noqa: E402
-from bench.dram_ways_cost import call_costs  # noqa: E402
-from bench.reuse_policies import POLICIES as REUSE_POLICIES  # noqa: E402
-from bench.workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
-
-from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.core.stores.cache import RowDirectory  # noqa: E402
-from engram_sglang.core.stores.dram_cache import DEFAULT_WAYS, DramRowCache  # noqa: E402
+from bench.common import OUT, print_table, write_json
+from bench.dram_ways_cost import call_costs
+from bench.reuse_policies import POLICIES as REUSE_POLICIES
+from bench.workload import DECODE_BATCH, code_corpus, decode_steps, hasher_for, split_streams, tokenized
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores.cache import RowDirectory
+from engram_sglang.core.stores.dram_cache import DEFAULT_WAYS, DramRowCache
 
 SIZES = (0.001, 0.005, 0.01, 0.02, 0.05, 0.10)  # shares of the table's rows
 INF = np.iinfo(np.int32).max

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -54,16 +53,14 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 from bench import common
-
-from engram_sglang.core.config import EngramConfig  # noqa: E402
-from engram_sglang.core.errors import EngramError  # noqa: E402
-from engram_sglang.core.hashing import EngramLayout, NgramHasher  # noqa: E402
-from engram_sglang.models.layer import EngramLayer  # noqa: E402
-from engram_sglang.core.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits  # noqa: E402
-from engram_sglang.serving.staged_rows import StagedRows  # noqa: E402
-from engram_sglang.core.stores import maintenance  # noqa: E402
-from engram_sglang.core.stores import open_store  # noqa: E402
-from engram_sglang.core.tablefile import open_tables, write_tables  # noqa: E402
+from engram_sglang.core.config import EngramConfig
+from engram_sglang.core.errors import EngramError
+from engram_sglang.core.hashing import EngramLayout, NgramHasher
+from engram_sglang.core.rowformat import PAYLOAD_BYTES, ROW_BYTES, bf16_bits
+from engram_sglang.core.stores import maintenance, open_store
+from engram_sglang.core.tablefile import open_tables, write_tables
+from engram_sglang.models.layer import EngramLayer
+from engram_sglang.serving.staged_rows import StagedRows
 
 TABLE_CONTENT_VERSION = 1  # bump when the rows written below change
 POOL_ROWS = 1 << 18
@@ -383,7 +380,6 @@ def limits(device: torch.device, small: bool) -> dict:
     torch.cuda.set_device(device)
     h2d = n / time_gpu(torch, lambda: dst.copy_(pinned, non_blocking=True), 5)
     d2d = 2 * n / time_gpu(torch, lambda: dst.copy_(src), 10)
-    del pinned, dst, src
     return {"h2d_pinned_GBps": h2d / 1e9, "d2d_GBps": d2d / 1e9}
 
 

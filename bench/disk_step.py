@@ -56,14 +56,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import OUT, drop_file_cache, print_table, write_json  # noqa: E402
-from bench.tiers import disk_iops, ensure_table, warm_cache  # noqa: E402
-from bench.workload import hashed_streams  # noqa: E402
-
-from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.core.stores import open_store, rowio  # noqa: E402
-from engram_sglang.core.stores.disk_step import NativeStep  # noqa: E402
-from engram_sglang.core.tablefile import DATA_OFFSET, layer_file_name  # noqa: E402
+from bench.common import OUT, drop_file_cache, print_table, write_json
+from bench.tiers import disk_iops, ensure_table, warm_cache
+from bench.workload import hashed_streams
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores import open_store, rowio
+from engram_sglang.core.stores.disk_step import NativeStep
+from engram_sglang.core.tablefile import DATA_OFFSET, layer_file_name
 
 PATHS = ("native", "python", "native@64")  # the last: the native step at the store's depth (--threads)
 SHAPES = ("cpu", "gpu-host-half")

@@ -2,7 +2,7 @@
 
 On this kind of machine (no GPU): the host library (`cpu`, all cores and one core) and the
 torch reference, on model-shaped id batches (decode 256 x 24, prefill 8192 x 24; shapes
-imported from tests/test_gather.py), uniform and Zipf-skewed ids, against the same-run memcpy
+imported from tests/core/test_gather.py), uniform and Zipf-skewed ids, against the same-run memcpy
 bandwidth. Bytes moved per row: 264 read + 512 written; the "lines" column counts the five
 64-byte lines a row touches instead of its 264 bytes. memcpy is a limit random 264-byte rows
 never reach; the limit that matters is `raw`, measured in the same rounds: the host library's
@@ -34,11 +34,10 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-from bench.common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json  # noqa: E402
-from engram_sglang.testing import DECODE_IDS, PREFILL_IDS  # noqa: E402
-
-from engram_sglang.core import rowformat  # noqa: E402
-from engram_sglang.core.ops import gather_dequant, native  # noqa: E402
+from bench.common import OUT, memcpy_bandwidth, print_table, torch_copy_bandwidth, write_json
+from engram_sglang.core import rowformat
+from engram_sglang.core.ops import gather_dequant, native
+from engram_sglang.testing import DECODE_IDS, PREFILL_IDS
 
 READ, WRITTEN, LINES = rowformat.ROW_BYTES, 2 * rowformat.PAYLOAD_BYTES, 5 * 64
 

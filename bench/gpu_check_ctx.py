@@ -8,13 +8,11 @@ apart differ (a 32-bit offset that wraps reads the wrong row, which shows).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
-from engram_sglang.testing import PAYLOAD, ROW_BYTES, check_bits, oracle_lut, raw_bits as bits_of  # noqa: F401
+from engram_sglang.testing import PAYLOAD, ROW_BYTES, check_bits, oracle_lut  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG_LAYER = 1

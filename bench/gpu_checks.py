@@ -18,8 +18,22 @@ from typing import Callable
 
 import numpy as np
 
-from bench.gpu_check_ctx import (BIG_LAYER, PAYLOAD, ROOT, ROW_BYTES, SMALL_LAYERS, Ctx, Replayer, Skip, bits_of, check_bits,
-                           delay, layer_seed, row_bytes, side_stream)
+from bench.gpu_check_ctx import (
+    BIG_LAYER,
+    PAYLOAD,
+    ROOT,
+    ROW_BYTES,
+    SMALL_LAYERS,
+    Ctx,
+    Replayer,
+    Skip,
+    bits_of,
+    check_bits,
+    delay,
+    layer_seed,
+    row_bytes,
+    side_stream,
+)
 
 LINES_PER_ROW = 5  # a 264-byte row at an 8-byte aligned offset touches five 64-byte lines
 
@@ -494,8 +508,7 @@ def copy_limits(ctx: Ctx) -> dict:
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     lim = {"d2d_bytes_per_s": 2 * n / time_gpu(torch, lambda: dst.copy_(src), 10),
            "h2d_bytes_per_s": n / time_gpu(torch, lambda: dst.copy_(pinned, non_blocking=True), 5)}
-    del src, dst, pinned
-    return lim
+    return lim  # the 3 GiB of buffers go with this frame
 
 
 def check_bandwidth(ctx: Ctx):

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-
-from engram_sglang.core.ops import gather_dequant  # noqa: E402
-from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.core.stores import maintenance  # noqa: E402
-from engram_sglang.core.stores.base import ResidentTable, TableStore  # noqa: E402
-from engram_sglang.core.stores.cache import HotRowCache  # noqa: E402
-from engram_sglang.core.stores.row_directory import SLOT_OVERHEAD  # noqa: E402
+from engram_sglang.core.ops import gather_dequant
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores import maintenance
+from engram_sglang.core.stores.base import ResidentTable, TableStore
+from engram_sglang.core.stores.cache import HotRowCache
+from engram_sglang.core.stores.row_directory import SLOT_OVERHEAD
 
 IDS_PER_TOKEN = 24
 

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from bench.common import OUT, print_table, write_json  # noqa: E402
-from bench.tiers import decode_run, ensure_table  # noqa: E402
-from bench.workload import hashed_streams  # noqa: E402
-
-from engram_sglang.core.hashing import EngramLayout  # noqa: E402
-from engram_sglang.core.planning import disk as planner_disk  # noqa: E402
-from engram_sglang.core.stores import open_store  # noqa: E402
-from engram_sglang.core.tablefile import layer_file_name  # noqa: E402
+from bench.common import OUT, print_table, write_json
+from bench.tiers import decode_run, ensure_table
+from bench.workload import hashed_streams
+from engram_sglang.core.hashing import EngramLayout
+from engram_sglang.core.planning import disk as planner_disk
+from engram_sglang.core.stores import open_store
+from engram_sglang.core.tablefile import layer_file_name
 
 GOAL = 0.25
 

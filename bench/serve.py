@@ -27,12 +27,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
-from bench.common import OUT, print_table, write_json  # noqa: E402
-
-from engram_sglang.core.config import DEFAULT_TABLE_DIR  # noqa: E402
-from engram_sglang.tools.demo.run import demo_model  # noqa: E402
-from engram_sglang.serving.launch import Server  # noqa: E402
+from bench.common import OUT, print_table, write_json
+from engram_sglang.core.config import DEFAULT_TABLE_DIR
+from engram_sglang.serving.launch import Server
+from engram_sglang.tools.demo.run import demo_model
 
 
 def prompts(tokenizer, n: int, salt: int = 0) -> list[list[int]]:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from bench.common import OUT  # noqa: E402
+from bench.common import OUT
 
 STDLIB = Path(os.__file__).parent
 HISTORY = [STDLIB / f for f in ("ast.py", "base64.py", "bdb.py", "calendar.py", "codecs.py", "configparser.py",
@@ -26,13 +26,13 @@ THRESHOLDS = (0.0, 0.4, 0.5, 0.6, 2.0)
 
 
 def main() -> int:
+    from engram_sglang.models.reference import ReferenceModel
     from engram_sglang.tools.analysis.inputs import documents
     from engram_sglang.tools.analysis.scan import run_scan
     from engram_sglang.tools.analysis.skip import evaluate, read_gate_stats
-    from engram_sglang.tools.demo.run import demo_model
     from engram_sglang.tools.demo.corpus import demo_corpus
     from engram_sglang.tools.demo.model import TABLE_DIR_NAME
-    from engram_sglang.models.reference import ReferenceModel
+    from engram_sglang.tools.demo.run import demo_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="build/demo", type=Path)

@@ -47,10 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-
-from bench.common import OUT, machine, print_table  # noqa: E402
-
-from engram_sglang.serving.launch import Server, _group_members  # noqa: E402
+from bench.common import OUT, machine, print_table
+from engram_sglang.serving.launch import Server, _group_members
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS_LIB = ROOT / "build" / "kernels" / "libengram_faults.so"
@@ -377,8 +375,8 @@ def check_tokens(runs: list[dict], pool, model_dir: Path) -> None:
     """Marks every request's tokens right or wrong against the reference forward: each distinct
     completion of a pool item is teacher-forced once (every token must be the argmax after the
     tokens before it); a completion that is a prefix of a checked one needs no forward."""
-    from engram_sglang.tools.demo.model import TABLE_DIR_NAME
     from engram_sglang.models.reference import ReferenceModel
+    from engram_sglang.tools.demo.model import TABLE_DIR_NAME
 
     ref = ReferenceModel(model_dir, model_dir / TABLE_DIR_NAME)
     good: dict[int, list[list[int]]] = {}

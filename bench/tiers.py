@@ -30,13 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import OUT, drop_file_cache, print_table, torch_copy_bandwidth, write_json  # noqa: E402
-from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hashed_streams, prefill_chunks  # noqa: E402
-
-from engram_sglang.core.rowformat import ROW_BYTES  # noqa: E402
-from engram_sglang.core.stores import open_store, rowio  # noqa: E402
-from engram_sglang.core.tablefile import layer_file_name, open_tables, write_tables  # noqa: E402
-from engram_sglang.core.errors import EngramError  # noqa: E402
+from bench.common import OUT, drop_file_cache, print_table, torch_copy_bandwidth, write_json
+from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hashed_streams, prefill_chunks
+from engram_sglang.core.errors import EngramError
+from engram_sglang.core.rowformat import ROW_BYTES
+from engram_sglang.core.stores import open_store, rowio
+from engram_sglang.core.tablefile import layer_file_name, open_tables, write_tables
 
 
 def ensure_table(cfg, rows: int) -> Path:

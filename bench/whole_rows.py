@@ -36,15 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import OUT, memcpy_bandwidth, print_table, write_json  # noqa: E402
-from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hasher_for, split_streams, tokenized  # noqa: E402
-
-from engram_sglang.core.config import EngramConfig  # noqa: E402
-from engram_sglang.core.planning import whole_rows  # noqa: E402
-from engram_sglang.core.planning.data import load_gpus  # noqa: E402
-from engram_sglang.core.planning.model import lines_per_row, row_bytes  # noqa: E402
-from engram_sglang.core.stores.base import shard_range  # noqa: E402
-from engram_sglang.core.stores.row_directory import RowDirectory  # noqa: E402
+from bench.common import OUT, memcpy_bandwidth, print_table, write_json
+from bench.workload import DECODE_BATCH, PREFILL_CHUNK, decode_steps, hasher_for, split_streams, tokenized
+from engram_sglang.core.config import EngramConfig
+from engram_sglang.core.planning import whole_rows
+from engram_sglang.core.planning.data import load_gpus
+from engram_sglang.core.planning.model import lines_per_row, row_bytes
+from engram_sglang.core.stores.base import shard_range
+from engram_sglang.core.stores.row_directory import RowDirectory
 
 PRESET = "deepseek-v4.1-flash"
 TPS = (2, 4, 8)

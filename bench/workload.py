@@ -9,15 +9,14 @@ smaller prime search start, so the table fits the benchmark while the duplicate 
 
 from __future__ import annotations
 
-import ast
 import os
 from pathlib import Path
 
 import torch
 
 from engram_sglang import EngramConfig, NgramHasher
-from engram_sglang.tools.demo.run import train_tokenizer
 from engram_sglang.core.hashing import compressed_token_map
+from engram_sglang.tools.demo.run import train_tokenizer
 
 DECODE_BATCH = 256  # concurrent requests: one token each per decode step
 PREFILL_CHUNK = 8192  # tokens of one prefill chunk

@@ -62,6 +62,7 @@ _MOVED = {
     "config": "core.config", "errors": "core.errors", "fileio": "core.fileio", "hashing": "core.hashing",
     "nativelibs": "core.nativelibs", "placement_table": "core.placement_table", "rowformat": "core.rowformat",
     "tablefile": "core.tablefile", "ops": "core.ops", "stores": "core.stores",
+    "stores.placements": "core.stores",  # split into core/stores/device.py and host.py
     "planning": "core.planning", "planning.report": "tools.planner_report",
     "layer": "models.layer", "patching": "plugin.targets",
     "cli": "tools.cli", "planner": "tools.planner", "profiling": "tools.profiling", "analysis": "tools.analysis",

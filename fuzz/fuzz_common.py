@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterable, Optional
 import atheris
 
 
-
 def instrumented():
     """Import the project's modules inside this to give the fuzzer their coverage (the
     package imports its modules lazily: name each one). Only the project's own: torch,
@@ -276,7 +275,7 @@ def _collecting(test_one_input: Callable[[bytes], None], out_dir: Path) -> Calla
 def fuzz_main(test_one_input: Callable[[bytes], None]) -> None:
     """libFuzzer's command line: `python -m fuzz.fuzz_X [-runs=N -seed=S ...] [CORPUS_DIR|FILE ...]`.
     With FUZZ_COLLECT=DIR, findings are saved there and the run goes on (a hang still ends it)."""
-    if os.environ.get("FUZZ_SELF_TEST"):  # the negative control of tests/test_fuzz.py: a finding fails the run
+    if os.environ.get("FUZZ_SELF_TEST"):  # the negative control of tests/tools/test_fuzz.py: a finding fails the run
         def test_one_input(data: bytes) -> None:
             raise RuleBroken("FUZZ_SELF_TEST: every input is a finding")
     collect = os.environ.get("FUZZ_COLLECT")

@@ -13,12 +13,11 @@ Beyond the rule (fuzz/fuzz_common.py), a config that loads must survive its own 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import atheris  # noqa: E402
+import atheris
 
-from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # isort: skip (one line)
 
 with instrumented():
     from engram_sglang.core.config import EngramConfig, configs_dir

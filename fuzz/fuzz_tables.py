@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 
-import atheris  # noqa: E402
-import numpy as np  # noqa: E402
+import atheris
+import numpy as np
 
-from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # noqa: E402
+from fuzz.fuzz_common import RuleBroken, Scratch, dump_json, edit_bytes, edit_json, fuzz_main, instrumented, keep_rule, pick_kind, place  # isort: skip (one line)
 
 with instrumented():
     from engram_sglang.core.config import EngramConfig
     from engram_sglang.core.hashing import EngramLayout
-    from engram_sglang.core.tablefile import DATA_OFFSET, MANIFEST, inspect_tables, open_tables, verify_tables, write_tables
+    from engram_sglang.core.tablefile import DATA_OFFSET, MANIFEST, inspect_tables, open_tables, verify_tables, write_tables  # isort: skip
 
 # Two layers of 8 and 18 rows: every file is a few KiB, so a run is parsing, not I/O.
 TINY = EngramConfig(layer_ids=(0, 2), max_ngram_size=2, n_heads=2, head_dim=256, vocab_size=3,

@@ -1,4 +1,4 @@
-"""Run the fuzz harnesses: `make fuzz` (FUZZ_SECONDS each) and tests/test_fuzz.py (a fixed
+"""Run the fuzz harnesses: `make fuzz` (FUZZ_SECONDS each) and tests/tools/test_fuzz.py (a fixed
 seed and run count) both come here.
 
     python -m fuzz.runner [--seconds S | --runs N] [--seed S] [--out build/fuzz] [TARGET ...]
@@ -7,7 +7,7 @@ Each target (fuzz/fuzz_TARGET.py) runs in its own process under libFuzzer, start
 its seed corpus fuzz/corpus/TARGET (read only: new inputs go to OUT/TARGET/corpus). A
 finding stops it and leaves the input in OUT/TARGET/ (crash-*, timeout-*, oom-*); replay it
 with `python -m fuzz.fuzz_TARGET FILE`, then add it to the corpus as a regression case
-(fuzz/corpus/TARGET/regression-WHAT) with a test in tests/test_fuzz.py.
+(fuzz/corpus/TARGET/regression-WHAT) with a test in tests/tools/test_fuzz.py.
 """
 
 from __future__ import annotations

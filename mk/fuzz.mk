@@ -4,7 +4,7 @@
 # file (an EngramError; exit 2 in the CLI); a traceback, a hang or a blow-up is a finding.
 # `make fuzz` runs every target for FUZZ_SECONDS from its seed corpus fuzz/corpus/TARGET; new
 # inputs, logs and findings (crash-*, timeout-*) go to build/fuzz/TARGET/. `make test` runs
-# short fixed-seed runs of the same and replays every regression case (tests/test_fuzz.py).
+# short fixed-seed runs of the same and replays every regression case (tests/tools/test_fuzz.py).
 FUZZ_SECONDS ?= 300
 FUZZ_SEED ?= 1
 FUZZ_TARGETS ?= tables config convert

@@ -4,7 +4,7 @@
 #                                    on the shared CUDA runtime (the libcudart torch loads)
 #   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
 # both from one launcher source, kernels/cuda/engram_gather.cu, HIP through kernels/hip/vendor.h (one ABI: engram_{cuda,hip}_*)
-# plus what tests/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
+# plus what tests/kernels/test_kernel_builds.py disassembles (PTX per arch, code object per gfx).
 # VENDOR=cuda|hip|cpu|all picks what to build (the Docker images build one vendor; cpu is
 # always built alongside, CPU serving and the disk tier use it).
 # Flags that matter for results: no fast-math anywhere and denormals kept (-ftz=false,

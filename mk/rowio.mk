@@ -13,7 +13,7 @@ rowio: $(ROWIO_LIB)
 include kernels/host-flags.mk
 
 # The headers it includes come from the compiler (KERNEL_DEPFLAGS, mk/kernels.mk: the .d beside it),
-# not a list here; tests/test_native_abi.py checks that nativelibs.HOST_SOURCES names the same files.
+# not a list here; tests/kernels/test_native_abi.py checks that nativelibs.HOST_SOURCES names the same files.
 $(ROWIO_LIB): $(ROWIO_SRC) kernels/host-flags.mk mk/rowio.mk
 	@mkdir -p $(dir $@)
 	$(CXX) $(ENGRAM_ROWIO_CXXFLAGS) $(KERNEL_DEPFLAGS) -shared -o $@ $<

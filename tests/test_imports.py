@@ -17,10 +17,10 @@ import re
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -214,3 +214,44 @@ def test_the_checks_see_a_missing_declaration(monkeypatch):
     monkeypatch.setitem(globals(), "_third_party_imports", lambda: {**real, "yaml": {"engram_sglang/x.py"}})
     with pytest.raises(AssertionError, match="yaml"):
         test_every_imported_package_is_declared()
+
+
+# ----------------------------------------------------------------- moved modules
+def test_an_old_module_path_is_the_new_module_and_warns_once():
+    r = _run("""
+        import json, sys, warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            import engram_sglang.stores.cache as old
+            import engram_sglang.stores.cache as again
+            from engram_sglang import config as old_config
+        import engram_sglang.core.stores.cache as new, engram_sglang.core.config as new_config
+        print(json.dumps(dict(same=old is new and again is new and old_config is new_config,
+                              messages=[str(w.message) for w in seen if w.category is FutureWarning],
+                              one_copy=sum(m.startswith("engram_sglang.") and m.endswith(".cache") for m in sys.modules))))
+    """)
+    assert r["same"] and r["one_copy"] == 2  # engram_sglang.core.stores.cache, and its old name for it
+    assert r["messages"] == [
+        "engram_sglang.stores moved to engram_sglang.core.stores; the old path goes in the next release",
+        "engram_sglang.stores.cache moved to engram_sglang.core.stores.cache; the old path goes in the next release",
+        "engram_sglang.config moved to engram_sglang.core.config; the old path goes in the next release"]
+
+
+@pytest.mark.parametrize("old, new", [("engram_sglang.cli", "engram_sglang.tools.cli"),
+                                      ("engram_sglang.planner", "engram_sglang.tools.planner")])
+def test_python_m_of_an_old_command_path_runs_the_new_main(old, new):
+    ran = [subprocess.run([sys.executable, "-m", m, "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}) for m in (old, new)]
+    assert ran[0].returncode == ran[1].returncode == 0, ran[0].stderr[-2000:]
+    assert ran[0].stdout == ran[1].stdout and "usage:" in ran[0].stdout
+    assert f"python -m {old}: moved to python -m {new}" in ran[0].stderr
+
+
+def test_every_moved_path_names_a_module_that_exists():
+    import importlib.util
+
+    import engram_sglang
+
+    for old, new in engram_sglang._MOVED.items():
+        assert importlib.util.find_spec(f"engram_sglang.{new}") is not None, (old, new)
+        assert not (PACKAGE / f"{old.replace('.', '/')}.py").exists(), f"{old} is both moved and still there"

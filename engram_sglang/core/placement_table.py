@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from .errors import EngramError
 
@@ -81,10 +81,10 @@ class Placement:
 
 
 PLACEMENT_TABLE: dict[str, Placement] = {p.name: p for p in (
-    Placement("device", ".stores.placements:DeviceStore", (), ids_visit_host=False, capturable=True,
+    Placement("device", ".stores.device:DeviceStore", (), ids_visit_host=False, capturable=True,
               whole_rows_with=(), cache_in_front=False,
               what="device memory (each rank holds a row shard in its HBM)"),
-    Placement("host", ".stores.placements:HostStore",
+    Placement("host", ".stores.host:HostStore",
               (PlacementOption("shared", "host-shared"), PlacementOption("shm_dir", "shm-dir"),
                PlacementOption("huge_pages", "huge-pages"), PlacementOption("keep", "host-keep", only_when_set=True),
                PlacementOption("numa", "host-numa"), PlacementOption("whole_rows", "host-whole-rows", default=True)),

@@ -23,8 +23,6 @@ import time
 from typing import Iterable, Optional, Tuple
 
 import torch
-from torch import nn
-
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -34,6 +32,7 @@ from sglang.srt.models.qwen2 import Qwen2MLP
 from sglang.srt.models.qwen3 import Qwen3Attention
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
+from torch import nn
 
 from ..core.config import EngramConfig
 from ..core.errors import EngramError

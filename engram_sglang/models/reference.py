@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from ..core.config import EngramConfig
 from ..core.hashing import NgramHasher, compressed_token_map
-from .layer import EngramLayer, rms_norm
 from ..core.rowformat import dequantize, row_checksums
 from ..core.tablefile import open_tables
+from .layer import EngramLayer, rms_norm
 
 
 @dataclasses.dataclass

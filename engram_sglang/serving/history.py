@@ -14,8 +14,8 @@ extra row absorbs commits of padded graph rows).
 from __future__ import annotations
 
 import torch
-from torch import nn
 from sglang.srt.layers.engram import EngramHasher
+from torch import nn
 
 from ..core.errors import EngramError
 from ..core.hashing import newest_history

@@ -15,9 +15,9 @@ import os
 from typing import Any, Mapping, Optional
 
 from ..core.config import DEFAULT_TABLE_DIR
+from ..core.errors import EngramConfigError
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.placement_table import placement as placement_spec
-from ..core.errors import EngramConfigError
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
 NUMA_MODES, MAX_NUMA_NODES = ("auto", "interleave", "off"), 1024  # stores.numa.MODES, MAX_NODES (it loads torch)

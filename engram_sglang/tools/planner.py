@@ -25,8 +25,9 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.errors import EngramError
+from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
+from ..core.planning import disk as disk_model
 from ..core.planning.data import (
     GIB,
     MAX_GIB,
@@ -52,16 +53,15 @@ from ..core.planning.model import (
     SGLANG_CHUNKED_PREFILL,
     SGLANG_DECODE_GRAPH_BS,
     SGLANG_SHM_GIB,
-    Planner,
     PlanInputs,
+    Planner,
     lines_per_row,
     plan,
     row_bytes,
-    shard_bytes,
     sglang_reserve_bytes,
+    shard_bytes,
     valid_tps,
 )
-from ..core.planning import disk as disk_model
 from .planner_report import format_text
 
 # The planning package's names, re-exported, and this module's command line.

@@ -26,10 +26,8 @@ import torch
 
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
-from ..core.fileio import open_regular
 from ..core.hashing import EngramLayout, NgramHasher
-from ..core.profile_format import ProfileLayer, write_profile_rows
-from ..core.profile_format import FORMAT, MAX_PROFILE_ROWS, Profile, read_profile  # noqa: F401  (re-exported)
+from ..core.profile_format import FORMAT, MAX_PROFILE_ROWS, Profile, ProfileLayer, read_profile, write_profile_rows  # noqa: F401  (re-exported)
 
 DECODE_BATCH = 256  # concurrent requests of a decode step, one token each
 SHARES = (0.001, 0.01, 0.05)  # hottest shares of rows reported

@@ -3,7 +3,7 @@
 // runtime's errors through as that runtime's own positive codes. engram_gather.h's
 // engram::Status names the same values; ops/native.py reads them through the library
 // (engram_{cuda,hip}_error_string) or its table for the CPU library, which
-// tests/test_native_abi.py checks against this file.
+// tests/kernels/test_native_abi.py checks against this file.
 #pragma once
 
 enum engram_status {

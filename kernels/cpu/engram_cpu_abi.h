@@ -1,6 +1,6 @@
 // engram_cpu_abi.h: the C ABI of libengram_cpu.so (kernels/cpu/engram_gather.cpp), the host
 // gather. engram_gather.cpp includes it, so the compiler checks every definition against these
-// prototypes; engram_sglang/core/ops/native.py binds them with ctypes, and tests/test_native_abi.py
+// prototypes; engram_sglang/core/ops/native.py binds them with ctypes, and tests/kernels/test_native_abi.py
 // checks that binding against this file. Torch-free, C and C++.
 #pragma once
 

@@ -11,7 +11,7 @@
 //
 // Build flags matter for correctness: no fast math and denormals kept (nvcc -ftz=false, clang
 // -fno-gpu-flush-denormals-to-zero), so the 2^-127 scale (an fp32 denormal) is not flushed to
-// zero (tests/test_kernel_builds.py checks the PTX and each code object).
+// zero (tests/kernels/test_kernel_builds.py checks the PTX and each code object).
 #include <stdint.h>
 
 #include "compat.h"

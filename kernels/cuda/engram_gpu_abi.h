@@ -4,7 +4,7 @@
 // for ENGRAM_VENDOR (cuda or hip: kernels/cuda/vendor.h or kernels/hip/vendor.h defines it in
 // the build; a C caller defines it before including this file). engram_gather.cu includes it,
 // so the compiler checks every definition against these prototypes; engram_sglang/core/ops/native.py
-// binds them with ctypes, and tests/test_native_abi.py checks that binding against this file.
+// binds them with ctypes, and tests/kernels/test_native_abi.py checks that binding against this file.
 // Torch-free and runtime-free: streams are passed as void*.
 #pragma once
 

@@ -6,7 +6,7 @@
 // cache: a read-ahead admitted from Python and a step served here see each other's rows.
 // Each function mirrors one method of DramRowCache statement by statement, including numpy's
 // tie-breaking (stable sorts, counts computed before any counter is raised), so the two give
-// the same hits, admissions and evictions on the same trace (tests/test_disk_step.py checks it).
+// the same hits, admissions and evictions on the same trace (tests/core/test_disk_step.py checks it).
 // Called only with the Python cache's lock held by the caller.
 #pragma once
 

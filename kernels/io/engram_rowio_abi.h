@@ -3,7 +3,7 @@
 // codes and the entry points. engram_rowio.cpp includes it (engram_disk_step.h and
 // engram_dram_policy.h use its structures), so the compiler checks every definition against
 // these prototypes; engram_sglang/core/stores/rowio.py binds them with ctypes (its ctypes
-// structures have these layouts), and tests/test_native_abi.py checks that binding, its
+// structures have these layouts), and tests/kernels/test_native_abi.py checks that binding, its
 // structures and its constants against this file. Torch-free, C and C++.
 #pragma once
 

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from engram_sglang.core.errors import EngramError
-from engram_sglang.core.ops import BackendUnavailableError, backends, gather, gather_dequant, native, probe, select_backend
+from engram_sglang.core.ops import (
+    BackendUnavailableError,
+    backends,
+    gather,
+    gather_dequant,
+    native,
+    probe,
+    select_backend,
+)
 from engram_sglang.core.ops.backends import BACKEND_TABLE, Backend
 from engram_sglang.core.ops.probe import Environment, choose, cpu_device, cuda_device, hip_device
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits

@@ -4,13 +4,11 @@ the CUDA paths (UVA misses, graph capture of the lookup) are not exercised here.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from tests.support.tables import random_rows, small_config
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
@@ -18,6 +16,7 @@ from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.core.stores import maintenance, open_store
 from engram_sglang.core.stores.cache import HotRowCache, RowDirectory, plan_slots, wrap_stores
 from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import random_rows, small_config
 
 pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
 

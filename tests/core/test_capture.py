@@ -1,7 +1,7 @@
 """What a CUDA graph captures must not sync with the host or advance Python state; what it
 replays must still be counted and maintained. CPU proofs:
 
-* the capture fixture (tests/capture.py) raises on each kind of host sync and state change
+* the capture fixture (tests/support/capture.py) raises on each kind of host sync and state change
   (a negative test per kind), and passes the paths that claim to be capturable: the device
   and host stores' gather, the hot-row cache's gather over host placement (misses read from
   the inner table) and its directory lookup;
@@ -18,20 +18,19 @@ What needs a GPU (a real torch.cuda.CUDAGraph capture and replay) runs in bench/
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY, Counter
 
-from tests.support.capture import CaptureViolation, HostSync, capture
-from tests.support.tables import random_table_dir, small_config
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.core.stores import maintenance, open_store
 from engram_sglang.core.stores.cache import HotRowCache
+from tests.support.capture import CaptureViolation, HostSync, capture
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import random_table_dir, small_config
-from tests.support.fake_streams import RecordingStreams
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
@@ -28,6 +26,8 @@ from engram_sglang.core.rowformat import ROW_BYTES, ROW_VALUES, bf16_bits
 from engram_sglang.core.stores import open_store, rowio
 from engram_sglang.core.stores.dram_cache import DramRowCache
 from engram_sglang.core.tablefile import DATA_OFFSET
+from tests.support.fake_streams import RecordingStreams
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -319,7 +319,7 @@ def test_an_unread_step_goes_to_the_store_reader_and_admits_only_good_rows(table
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, retries=0, dram_cache_bytes=1 << 20)[L]
     bad = {7}
-    real_pread, real_aio = rowio.pread_rows, rowio.aio_read_rows
+    real_pread = rowio.pread_rows
 
     def pread_rows(fd, off, ids, out, threads, direct):
         hit = np.flatnonzero(np.isin(ids, list(bad)))

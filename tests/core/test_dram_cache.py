@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import small_config
-from tests.support.disk_faults import reads_by_the_store
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramConfigError, EngramError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
-from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.core.stores import open_store
 from engram_sglang.core.stores.dram_cache import SLOT_OVERHEAD, DramRowCache, plan_slots
 from engram_sglang.core.tablefile import write_tables
+from engram_sglang.serving.settings import ServeSettings
+from tests.support.disk_faults import reads_by_the_store
+from tests.support.tables import small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -264,7 +264,7 @@ def test_direct_reads_go_by_native_aio_and_fall_back_to_pread(tables, rng, monke
     root, rows = tables
     L = CFG.layer_ids[0]
     store = open_store(root, "disk", cfg=CFG, direct=True, threads=16)[L]
-    store.native_step = False  # the store's own reader (the native step's, tests/test_disk_step.py)
+    store.native_step = False  # the store's own reader (the native step's, tests/core/test_disk_step.py)
     try:
         assert "native AIO" in store.describe()
         calls = []

@@ -1,6 +1,6 @@
 """The GPU runtime binding (ops/gpu_runtime.py) and the native loaders' choice of runtime,
 checked without a GPU: the copy already mapped in the process is the one bound, never another
-on the library path; and, through a fake libamdhip64 built here (tests/native/
+on the library path; and, through a fake libamdhip64 built here (tests/support/native/
 fake_hip_runtime.c), the real libengram_hip.so launcher is handed the device address the
 runtime returns for a HostStore's registered rows, and refuses grids HIP cannot launch.
 
@@ -10,13 +10,11 @@ registration flags and device guard, the grid limit. `make gpu-check` runs the r
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -155,7 +153,7 @@ def fake_hip(tmp_path_factory) -> Path:
     if cc is None:
         pytest.skip("no C compiler to build the fake HIP runtime")
     out = tmp_path_factory.mktemp("fakehip") / "libamdhip64.so.6"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(ROOT / "tests/native/fake_hip_runtime.c")],
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(ROOT / "tests/support/native/fake_hip_runtime.c")],
                    check=True, capture_output=True, text=True)
     return out
 
@@ -184,7 +182,7 @@ rec = fake.fake_record().contents
 import torch
 from engram_sglang.core.ops import gather, gpu_runtime, native, probe
 from engram_sglang.core.stores import base
-from engram_sglang.core.stores.placements import HostStore
+from engram_sglang.core.stores.host import HostStore
 
 # The base class keeps device-side counters, which need a real GPU: only what HostStore does
 # with host memory and the runtime is under test here.

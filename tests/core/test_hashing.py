@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import small_config
 from engram_sglang import EngramConfig, EngramLayout, HashHistory, NgramHasher
 from engram_sglang.core.errors import EngramConfigError, EngramError, TokenizerMismatchError
 from engram_sglang.core.hashing import compressed_token_map, hash_multipliers
+from tests.support.tables import small_config
 
 
 @pytest.fixture(scope="module")

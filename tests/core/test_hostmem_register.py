@@ -149,7 +149,7 @@ def test_probe_asks_either_runtime_about_host_memory(monkeypatch, vendor):
 def test_host_store_refuses_a_device_that_reads_no_host_memory(monkeypatch, tmp_path):
     """The probe's answer is consulted before the table is read into memory."""
     from engram_sglang.core.stores import base
-    from engram_sglang.core.stores.placements import HostStore
+    from engram_sglang.core.stores.host import HostStore
 
     def base_init(self, layer_id, path, rows, row_range, device, backend):  # no device counters (no GPU)
         self.layer_id, self.path, self.rows, self.row_range = layer_id, path, rows, row_range

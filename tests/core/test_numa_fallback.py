@@ -4,8 +4,8 @@ it there (it interleaved a shard the node could hold)."""
 
 from __future__ import annotations
 
-from tests.core.test_numa import CFG, GIB, NBYTES, fake_sysfs, mbind_calls, table_dir  # noqa: F401
 from engram_sglang.core.stores import hostmem, numa, open_store
+from tests.core.test_numa import CFG, GIB, NBYTES, fake_sysfs, mbind_calls, table_dir  # noqa: F401
 
 
 def test_a_private_fallback_is_bound_by_its_own_size(table_dir, tmp_path, monkeypatch, mbind_calls):

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import random_table_dir, small_config
 from engram_sglang.core import placement_table, rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.placement_table import PLACEMENT_TABLE, PLACEMENTS, Placement, PlacementOption
 from engram_sglang.core.rowformat import bf16_bits
 from engram_sglang.serving.graphs import graph_args, placement_needs_host_ids
 from engram_sglang.serving.settings import KNOBS, ServeSettings
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(300, layer_ids=(1, 3), n_heads=2)
 OFF = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
@@ -38,8 +38,8 @@ def _close(stores: dict) -> None:
 
 # ------------------------------------------------------------------ the one table
 def test_every_consumer_lists_the_tables_placements():
-    from engram_sglang.tools import cli, planner
     from engram_sglang.core import config, stores
+    from engram_sglang.tools import cli, planner
 
     knob = next(k for k in KNOBS if k.flag == "placement")
     assert knob.choices == PLACEMENTS == tuple(PLACEMENT_TABLE) == config.PLACEMENTS == stores.PLACEMENTS
@@ -96,9 +96,9 @@ def test_a_placement_added_to_the_table_is_served_everywhere(tables, monkeypatch
     is opened by open_store, gets its options from the settings and its graph policy, with
     no other change."""
     from engram_sglang.core.stores import open_store
-    from engram_sglang.core.stores.placements import DeviceStore
+    from engram_sglang.core.stores.device import DeviceStore
 
-    entry = Placement("hbm-copy", "engram_sglang.core.stores.placements:DeviceStore", (), ids_visit_host=False,
+    entry = Placement("hbm-copy", "engram_sglang.core.stores.device:DeviceStore", (), ids_visit_host=False,
                       capturable=False, whole_rows_with=(), cache_in_front=False, what="a test entry")
     monkeypatch.setitem(PLACEMENT_TABLE, "hbm-copy", entry)
     root, rows = tables

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.tables import small_config
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.recordfile import RecordFormat, read_record, write_record
+from tests.support.tables import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FMT = RecordFormat("engram-test", 2, "test record", missing_hint=" (make one)")
@@ -288,11 +288,11 @@ def test_an_old_profile_loads_and_the_new_writer_writes_the_same_file(tmp_path):
 def test_an_old_profile_prewarms_the_hot_row_cache(tmp_path):
     """The stores read an old profile (through profile_format, not the profiling tool)."""
     pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
-    from tests.support.tables import random_rows
     from engram_sglang.core.hashing import EngramLayout
     from engram_sglang.core.stores import open_store
     from engram_sglang.core.stores.cache import wrap_stores
     from engram_sglang.core.tablefile import write_tables
+    from tests.support.tables import random_rows
 
     layout = EngramLayout(CFG)
     table_dir = write_tables(tmp_path / "t", CFG, random_rows(CFG), progress=False)

@@ -249,8 +249,9 @@ def test_registered_buffers_under_a_memory_lock_limit():
 
 def test_an_o_direct_store_names_its_read_engine(tmp_path):
     import torch
-    from tests.support.tables import random_table_dir, small_config
+
     from engram_sglang.core.stores import open_store, rowio
+    from tests.support.tables import random_table_dir, small_config
 
     cfg = small_config(400)
     root, _ = random_table_dir(tmp_path, cfg)

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 
 from engram_sglang.core.errors import EngramError
-from engram_sglang.serving.settings import MAX_DISK_THREADS
 from engram_sglang.core.stores import open_store, rowio
+from engram_sglang.serving.settings import MAX_DISK_THREADS
 
 
 def test_the_bound_is_one_number_everywhere():

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.support.tables import small_config
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES
 from engram_sglang.core.stores import open_store
 from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = small_config(200, layer_ids=(1,), n_heads=2)

@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-from tests.support.tables import small_config
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES
 from engram_sglang.core.stores import open_store, shmcopy
 from engram_sglang.core.tablefile import open_tables, write_tables
+from tests.support.tables import small_config
 
 CFG = small_config(200, layer_ids=(1,), n_heads=2)
 

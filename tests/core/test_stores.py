@@ -14,15 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import small_config
-from tests.support.disk_faults import reads_by_the_store
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
-from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
-from engram_sglang.core.stores import TableIOError, open_store, shard_range
-from engram_sglang.core.stores import hostmem, rowio
-from engram_sglang.core.tablefile import layer_file_name, write_tables
 from engram_sglang.core.hashing import EngramLayout
+from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.core.stores import TableIOError, hostmem, open_store, rowio, shard_range
+from engram_sglang.core.tablefile import layer_file_name, write_tables
+from tests.support.disk_faults import reads_by_the_store
+from tests.support.tables import small_config
 
 # The stores decode through the gather op; until its module exists there is nothing to test.
 pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")

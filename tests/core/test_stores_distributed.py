@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.support.tables import small_config
 from engram_sglang.core import rowformat
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import small_config
 
 pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
 

@@ -6,16 +6,15 @@ Tested through TableStore (open_store), so it holds whatever the disk tier's rea
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import random_table_dir, small_config
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.ops import gather_dequant
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.core.stores import open_store
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(300)
 LAYOUT = EngramLayout(CFG)

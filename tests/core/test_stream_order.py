@@ -1,6 +1,6 @@
 """Stream discipline of the GPU code paths, proven on the CPU with a recording fake.
 
-No GPU here: `tests/fake_streams.py` stands in for torch.cuda's streams and events (a mock
+No GPU here: `tests/support/fake_streams.py` stands in for torch.cuda's streams and events (a mock
 of what cannot exist on this machine) and makes ordering mistakes visible: a device-to-host
 copy's destination holds poison until its event is waited for, and a pinned buffer
 rewritten while its host-to-device copy is still queued is reported as a hazard. What only
@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import random_rows, small_config
-from tests.support.fake_streams import RecordingStreams
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout, NgramHasher
 from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
-from engram_sglang.serving.runtime import EngramRuntime
-from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.core.stores import Prefetch, open_store
 from engram_sglang.core.stores.staging import StagingSlot
 from engram_sglang.core.tablefile import write_tables
+from engram_sglang.serving.runtime import EngramRuntime
+from engram_sglang.serving.settings import ServeSettings
+from tests.support.fake_streams import RecordingStreams
+from tests.support.tables import random_rows, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -227,8 +227,8 @@ def test_runtime_begin_rows_end_pass_the_capture_fixture(tables, rng, prefetch):
     """Runtime begin/rows/end as a captured decode step runs them (host placement, the GPU's
     side-stream prefetch through the recording fake): no host sync, no Python state of the
     runtime or its stores changes; eager steps before and after stay exact."""
-    from tests.support.capture import capture
     from engram_sglang.core.stores import maintenance
+    from tests.support.capture import capture
 
     root, rows = tables
     hasher = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))

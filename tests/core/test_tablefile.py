@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.tables import small_config
 from engram_sglang import EngramLayout
 from engram_sglang.core.errors import TableFormatError
 from engram_sglang.core.rowformat import ROW_BYTES, split
@@ -23,6 +22,7 @@ from engram_sglang.core.tablefile import (
     verify_tables,
     write_tables,
 )
+from tests.support.tables import small_config
 
 CFG = small_config(500)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference_completion
 from engram_sglang.serving.launch import Server
-from tests.support.parallel_support import check_one_copy_per_layer, private_shm_dir, prompts, serve_and_collect, table_rows, \
-    thread_bind
+from tests.support import parallel_support as par
+from tests.support.demo_support import demo_dir, reference_completion
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +24,11 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("dp")
-    with private_shm_dir("engram-test-dp-") as shm:
+    with par.private_shm_dir("engram-test-dp-") as shm:
         engram = {"placement": "host", "host_shared": "on", "shm_dir": shm, "stats_file": work / "stats.json"}
         server = Server(demo_dir(), engram=engram, args=("--dp-size", "2"), max_total_tokens=1024,
-                        log_path=work / "sglang.log", env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()})
-        return serve_and_collect(server, shm, prompts(), NEW_TOKENS, stats_files=str(work / "stats*.json"))
+                        log_path=work / "sglang.log", env={"SGLANG_CPU_OMP_THREADS_BIND": par.thread_bind()})
+        return par.serve_and_collect(server, shm, par.prompts(), NEW_TOKENS, stats_files=str(work / "stats*.json"))
 
 
 def test_dp2_completions_equal_the_reference(dp_run):
@@ -37,7 +36,7 @@ def test_dp2_completions_equal_the_reference(dp_run):
 
 
 def test_dp2_serves_one_shared_copy_per_layer_that_both_ranks_map(dp_run):
-    check_one_copy_per_layer(dp_run["files"], dp_run["maps"], ranks=2)
+    par.check_one_copy_per_layer(dp_run["files"], dp_run["maps"], ranks=2)
 
 
 def test_dp2_statistics_of_both_ranks(dp_run):
@@ -49,7 +48,7 @@ def test_dp2_statistics_of_both_ranks(dp_run):
     files = dp_run["stats_files"]
     assert sorted(files) == ["stats.tp0.dp0.json", "stats.tp0.dp1.json"], files
     assert all(f["dp_rank"] == int(name[len("stats.tp0.dp")]) for name, f in files.items()), files
-    rows = table_rows()
+    rows = par.table_rows()
     for stats in engram:
         assert stats["placement"] == "host" and stats["tokens"] > 0, stats
         for t in stats["tables"]:  # TP 1 per replica: whole rows of the one shared copy

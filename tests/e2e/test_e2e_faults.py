@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference_completion
 from engram_sglang.serving.launch import Server, ServerError
 from tests.e2e.test_e2e_serving import corpus_prompts
+from tests.support.demo_support import demo_dir, reference_completion
 
 pytestmark = pytest.mark.slow
 

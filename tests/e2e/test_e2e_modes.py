@@ -22,11 +22,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference
 from engram_sglang.serving.launch import Server, ServerError
 from engram_sglang.serving.modes import mask_for, parse_mode
-from tests.e2e.test_e2e_retraction import (CHUNK, FIRST_LENGTHS, FIRST_NEW, POOL, RETRACT_LINE, SECOND_LENGTHS, SECOND_NEW,
-                                 prompts, trace_lines, trace_records, wait_for_decode)
+from tests.e2e.test_e2e_retraction import (
+    CHUNK,
+    FIRST_LENGTHS,
+    FIRST_NEW,
+    POOL,
+    RETRACT_LINE,
+    SECOND_LENGTHS,
+    SECOND_NEW,
+    prompts,
+    trace_lines,
+    trace_records,
+    wait_for_decode,
+)
+from tests.support.demo_support import demo_dir, reference
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +99,6 @@ def checked(served):
     greedy = [f.logits[len(p) - 1:].argmax(-1).tolist() for f, p in zip(forwards, served["prompts"])]
     counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "on_wrong": 0, "unmatched": 0, "reprefilled_by_position": 0}
     steps = served["steps"][: served["wave_steps"]]
-    slot_request = []  # per step: slot -> request index
     for rec in trace_records(steps):
         if rec["tok"] == [0] and rec["pos"] == [0]:
             continue  # SGLang's /health probe

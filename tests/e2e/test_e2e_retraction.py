@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference
 from engram_sglang.serving.launch import Server
+from tests.support.demo_support import demo_dir, reference
 
 pytestmark = pytest.mark.slow
 

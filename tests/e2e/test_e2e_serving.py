@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference, reference_completion, table_dir, trace_requests
 from engram_sglang.serving.launch import Server, _group_alive, free_port
+from tests.support.demo_support import demo_dir, reference, reference_completion, table_dir, trace_requests
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 cannot start TP > 1 on its in-tree CPU platform (every model-parallel group
 builds a PyNccl communicator: "Expected a cuda device"). The test server runs on an
-out-of-tree copy of that platform with PyNccl switched off (tests/cpu_gloo_platform/), so
+out-of-tree copy of that platform with PyNccl switched off (tests/support/cpu_gloo_platform/), so
 the all-reduce goes to torch.distributed's gloo group; nothing of it ships.
 
 Two servers with host placement: private copies, where each rank holds half of every
@@ -18,10 +18,9 @@ import sys
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference, reference_completion
 from engram_sglang.serving.launch import Server
-from tests.support.parallel_support import GLOO_PLATFORM_DIR, check_one_copy_per_layer, private_shm_dir, prompts, \
-    serve_and_collect, table_rows, thread_bind, use_gloo_platform
+from tests.support import parallel_support as par
+from tests.support.demo_support import demo_dir, reference, reference_completion
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +33,14 @@ def serve_tp2(tmp_path_factory, layout: str) -> dict:
     completions, the shared copies while it serves and after, rank 0's statistics (/server_info)
     and both ranks' (their stats files)."""
     work = tmp_path_factory.mktemp(f"tp-{layout}")
-    with private_shm_dir(f"engram-test-tp-{layout}-") as shm:
+    with par.private_shm_dir(f"engram-test-tp-{layout}-") as shm:
         engram = {"placement": "host", "shm_dir": shm, "host_shared": "on" if layout == "shared" else "off",
                   "stats_file": work / "stats.json"}
-        server = use_gloo_platform(Server(demo_dir(), engram=engram, args=("--tp-size", "2"), max_total_tokens=1024,
-                                          log_path=work / "sglang.log",
-                                          env={"SGLANG_CPU_OMP_THREADS_BIND": thread_bind()}))
-        run = serve_and_collect(server, shm, prompts(N_PROMPTS), NEW_TOKENS, stats_files=str(work / "stats*.json"))
+        server = par.use_gloo_platform(Server(demo_dir(), engram=engram, args=("--tp-size", "2"), max_total_tokens=1024,
+                                              log_path=work / "sglang.log",
+                                              env={"SGLANG_CPU_OMP_THREADS_BIND": par.thread_bind()}))
+        run = par.serve_and_collect(server, shm, par.prompts(N_PROMPTS), NEW_TOKENS,
+                                    stats_files=str(work / "stats*.json"))
     run["stats"] = run["states"][0]
     return run
 
@@ -58,13 +58,13 @@ def shared_run(tmp_path_factory):
 def test_sglang_resolves_the_gloo_platform_without_pynccl(tmp_path):
     """Seconds, where a server that does not start takes minutes: SGLang finds the test
     platform through its entry point, and it is the CPU platform out of tree, without PyNccl."""
-    server = use_gloo_platform(Server(tmp_path, log_path=tmp_path / "unused.log"))  # only its environment
+    server = par.use_gloo_platform(Server(tmp_path, log_path=tmp_path / "unused.log"))  # only its environment
     probe = ("from sglang.srt.platforms import current_platform as p; "
              "print(type(p).__name__, p.is_out_of_tree(), p.is_cpu(), p.capabilities.supports_pynccl, "
              "p.get_torch_distributed_backend_str())")
     out = subprocess.run([sys.executable, "-c", probe], env=server.env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["CpuGlooPlatform", "True", "True", "False", "gloo"], (out.stdout, GLOO_PLATFORM_DIR)
+    assert out.stdout.split() == ["CpuGlooPlatform", "True", "True", "False", "gloo"], (out.stdout, par.GLOO_PLATFORM_DIR)
 
 
 @pytest.mark.parametrize("run", ["private_run", "shared_run"])
@@ -76,7 +76,7 @@ def test_tp2_completions_equal_the_reference(run, request):
 def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private_run):
     """Rank 0 holds the first part of each layer's rows, and the prompts read rows of the
     other part too: their exact completions (above) needed rank 1's rows, i.e. the sum."""
-    rows = table_rows()
+    rows = par.table_rows()
     assert private_run["files"] == [] and private_run["maps"] == {}, (private_run["files"], private_run["maps"])
     # /server_info answers for TP rank 0; each rank writes its own stats file, labelled.
     assert (private_run["stats"]["tp_rank"], private_run["stats"]["tp_size"]) == (0, 2)
@@ -95,8 +95,8 @@ def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private
 
 
 def test_tp2_shared_copy_is_one_per_node_read_whole_and_removed_after(shared_run):
-    check_one_copy_per_layer(shared_run["files"], shared_run["maps"], ranks=2)
-    rows = table_rows()
+    par.check_one_copy_per_layer(shared_run["files"], shared_run["maps"], ranks=2)
+    rows = par.table_rows()
     for table in shared_run["stats"]["tables"]:
         assert table["shared"] and table["row_range"] == [0, rows[table["layer_id"]]], table
     assert shared_run["left"] == []

@@ -9,7 +9,6 @@ retries absorb: every token must match the reference and no request may fail.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.tables import small_config
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ROOT / "build" / "kernels" / "libengram_faults.so"

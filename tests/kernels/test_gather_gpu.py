@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.core.test_gather import DECODE_IDS, bits_of, exhaustive_table, expected_bits
-
 from engram_sglang.core.ops import gather_dequant, probe
+from engram_sglang.testing import DECODE_IDS
+from tests.core.test_gather import bits_of, exhaustive_table, expected_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")]
 NATIVE = "hip" if torch.version.hip else "cuda"

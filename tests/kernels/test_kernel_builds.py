@@ -72,7 +72,7 @@ def test_cpu_library_matches_reference(rng):
     lib_path = artifact(OUT / "libengram_cpu.so", *CPU_SOURCES,
                         why_missing="run `make kernels`")
     lib = ctypes.CDLL(str(lib_path))
-    native._bind("cpu", lib)  # the package's binding (tests/test_native_abi.py checks it against the ABI header)
+    native._bind("cpu", lib)  # the package's binding (tests/kernels/test_native_abi.py checks it against the ABI header)
     assert lib.engram_cpu_abi_version() == 1
     t = exhaustive_table(extra_rows=500, gen=rng)
     ids = torch.randint(-1, t.shape[0] + 1, (3000,), generator=rng)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from engram_sglang import nativelibs
+from engram_sglang.core import nativelibs
 from engram_sglang.core.ops import native
 from engram_sglang.core.stores import rowio
 
@@ -237,7 +237,7 @@ def test_python_constants_are_the_headers():
 
 # Entry points of these libraries (a prefix of every name their headers declare).
 ABI_NAME = r"engram_(?:cpu|cuda|hip|rowio|disk_step)\w*"
-BINDINGS = {ROOT / "engram_sglang" / "ops" / "native.py", ROOT / "engram_sglang" / "stores" / "rowio.py"}
+BINDINGS = {ROOT / "engram_sglang" / "core" / "ops" / "native.py", ROOT / "engram_sglang" / "core" / "stores" / "rowio.py"}
 
 
 def ad_hoc_bindings(text: str) -> list[str]:

@@ -90,8 +90,8 @@ def test_reference_backbone_matches_transformers_qwen3():
     transformers' Qwen3ForCausalLM on the same weights (float32)."""
     from transformers import Qwen3ForCausalLM
 
-    from tests.support.demo_support import demo_dir, table_dir
     from engram_sglang.models.reference import ReferenceModel
+    from tests.support.demo_support import demo_dir, table_dir
 
     ref = ReferenceModel(demo_dir(), table_dir(), engram_scale=0.0, dtype=torch.float32)
     hf = Qwen3ForCausalLM.from_pretrained(str(demo_dir()), dtype=torch.float32).eval()

@@ -13,11 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.tables import small_config
 from engram_sglang import EngramLayout
 from engram_sglang.core.hashing import NgramHasher
-from engram_sglang.core.rowformat import PAYLOAD_BYTES, ROW_BYTES, ROW_VALUES, bf16_bits, dequantize, row_checksums, split
+from engram_sglang.core.rowformat import (
+    PAYLOAD_BYTES,
+    ROW_BYTES,
+    ROW_VALUES,
+    bf16_bits,
+    dequantize,
+    row_checksums,
+    split,
+)
 from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import small_config
 
 sglang_engram = pytest.importorskip("sglang.srt.layers.engram", reason="needs the installed sglang")
 
@@ -84,7 +92,7 @@ def embeddings(runtime, layout):
 def upstream_hasher(rng):
     """Upstream's EngramHasher (a subclass whose forward the test wraps, so the class SGLang
     uses stays as it is), its buffers those of our NgramHasher for a random token map (its
-    constructor derives the same from a tokenizer: tests/test_hashing.py checks they agree)."""
+    constructor derives the same from a tokenizer: tests/core/test_hashing.py checks they agree)."""
     from engram_sglang import plugin
 
     ours = NgramHasher(CFG, torch.randint(0, CFG.compressed_vocab_size, (CFG.vocab_size,), generator=rng))
@@ -142,9 +150,9 @@ def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, tabl
     layer's gather starts when the ids exist and each lookup takes its own prefetched rows
     (exact, and the ids equal one pass over each request's tokens); the step ends between
     steps with its statistics and trace line; no prefetch handle is ever dropped."""
-    from engram_sglang.serving.runtime import active_runtimes
     from engram_sglang.core.stores import maintenance
     from engram_sglang.core.stores.base import Prefetch
+    from engram_sglang.serving.runtime import active_runtimes
 
     table_dir, packed, layout = table
     trace = tmp_path / "trace.jsonl"
@@ -207,7 +215,7 @@ def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, tabl
                                                             .view(*last[:, i].shape, ROW_VALUES)).tolist()
     finally:
         runtime.close()
-    del started
+    started.clear()
     assert Prefetch.dropped == dropped
 
 
@@ -216,8 +224,8 @@ def test_a_decode_step_captured_into_a_cuda_graph_gathers_the_graphs_own_ids(par
     no Python state of the runtime, its stores or the hasher changes (a replay runs none); each
     layer's lookup is captured as a gather of the ids it is handed. Eager steps around the
     capture stay exact and a replay is counted between steps."""
-    from tests.support.capture import capture
     from engram_sglang.core.stores import maintenance
+    from tests.support.capture import capture
 
     table_dir, packed, layout = table
     runtime = open_runtime(table_dir, "host")
@@ -283,9 +291,9 @@ def test_a_context_parallel_slice_is_gathered_as_it_comes(parallel, table, rng):
 def test_a_failed_read_fails_only_its_requests_through_the_runtime(parallel, table, rng):
     """A row that cannot be read fails the requests whose tokens needed it (the scheduler hook
     aborts them after the batch); every other token's rows are exact."""
-    from engram_sglang.serving import faults
     from engram_sglang.core.stores import maintenance
     from engram_sglang.core.stores.base import TableReadFault
+    from engram_sglang.serving import faults
 
     table_dir, packed, layout = table
     runtime = open_runtime(table_dir, "disk")

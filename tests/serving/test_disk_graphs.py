@@ -3,7 +3,7 @@
 * the staged rows equal the eager path's bit for bit (random ids, several steps of changing
   batch sizes; rows past a step's tokens, a padded graph's rows, are +0.0), for the disk
   store alone, behind a DRAM row cache, behind a hot-row cache, and as one TP shard; and on
-  the GPU code path (tests/fake_streams.py: ids from the device, ordered copies, no hazard);
+  the GPU code path (tests/support/fake_streams.py: ids from the device, ordered copies, no hazard);
 * the captured part (EngramRuntime.begin + rows with staged buffers) passes the capture
   fixture (no host sync, no Python state advanced); a negative control that reads the store
   there raises;
@@ -29,17 +29,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.capture import HostSync, capture
-from tests.support.tables import random_table_dir, small_config
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramConfigError, EngramError
 from engram_sglang.core.hashing import EngramLayout, NgramHasher
 from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
+from engram_sglang.core.stores import maintenance, open_store
+from engram_sglang.core.stores.base import Prefetch, TableIOError, TableReadFault
 from engram_sglang.serving import graphs
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.serving.staged_rows import StagedRows
-from engram_sglang.core.stores import maintenance, open_store
-from engram_sglang.core.stores.base import Prefetch, TableIOError, TableReadFault
+from tests.support.capture import HostSync, capture
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)

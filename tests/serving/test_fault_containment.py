@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tables import random_table_dir, small_config
-from tests.support.disk_faults import reads_by_the_store
-from tests.support.fake_streams import RecordingStreams
 from engram_sglang.core import rowformat
 from engram_sglang.core.hashing import EngramLayout, NgramHasher
 from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
+from engram_sglang.core.stores import open_store, rowio
+from engram_sglang.core.stores.base import TableIOError, TableReadFault
 from engram_sglang.serving import faults
 from engram_sglang.serving.runtime import EngramRuntime
 from engram_sglang.serving.settings import ServeSettings
-from engram_sglang.core.stores import open_store, rowio
-from engram_sglang.core.stores.base import TableIOError, TableReadFault
+from tests.support.disk_faults import reads_by_the_store
+from tests.support.fake_streams import RecordingStreams
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)

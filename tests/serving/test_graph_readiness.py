@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from engram_sglang import plugin
-from engram_sglang.plugin import server_args
 from engram_sglang.core.errors import EngramConfigError, EngramError
+from engram_sglang.plugin import server_args
 from engram_sglang.serving.graphs import check_capturable, graph_args, placement_needs_host_ids
 from engram_sglang.serving.launch import CPU_SHIM
 from engram_sglang.serving.settings import KNOBS
@@ -42,7 +42,7 @@ def clean_env(monkeypatch):
 
 
 def test_only_the_disk_placement_needs_host_ids():
-    from engram_sglang.core.stores.placements import DeviceStore, DiskStore, HostStore
+    from engram_sglang.core.stores import DeviceStore, DiskStore, HostStore
 
     assert [placement_needs_host_ids(p) for p in ("device", "host", "disk")] == [False, False, True]
     assert (DeviceStore.needs_host_ids, HostStore.needs_host_ids, DiskStore.needs_host_ids) == (False, False, True)

@@ -180,10 +180,10 @@ def test_the_runtime_reads_only_the_rows_of_tokens_with_engram_on(tmp_path, plac
     asked for the on tokens' rows only, every off token gets +0.0 rows, the on tokens their
     exact rows, and the statistics count the off tokens. Then the same step with every
     request on reads every row (the control)."""
-    from tests.support.tables import random_table_dir, small_config
     from engram_sglang.core import rowformat
     from engram_sglang.core.hashing import NgramHasher
     from engram_sglang.serving.runtime import EngramRuntime
+    from tests.support.tables import random_table_dir, small_config
 
     cfg = small_config(400)
     root, table = random_table_dir(tmp_path, cfg)

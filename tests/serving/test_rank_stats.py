@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from tests.support.tables import random_table_dir, small_config
 from engram_sglang.serving.ranks import rank_labels, stats_path
 from engram_sglang.serving.settings import ServeSettings
+from tests.support.tables import random_table_dir, small_config
 
 CFG = small_config(300, layer_ids=(1, 3), n_heads=2)
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.tables import small_config
 from engram_sglang.core.config import DEFAULT_TABLE_DIR
 from engram_sglang.core.errors import EngramError
 from engram_sglang.serving import startup
 from engram_sglang.serving.settings import ServeSettings
+from tests.support.tables import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SERIAL = SimpleNamespace(tp_rank=0, tp_size=1, attn_dp_size=1, attn_cp_size=1)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engram_sglang.core.config import EngramConfig
-from engram_sglang.tools.planner import plan
 from engram_sglang.core.planning.data import load_gpus
 from engram_sglang.core.planning.whole_rows import sku_for_device
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.serving.whole_rows_auto import choose, resolve
+from engram_sglang.tools.planner import plan
 
 CFG = EngramConfig.from_preset("deepseek-v4.1-flash")
 GPUS = load_gpus()

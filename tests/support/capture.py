@@ -34,8 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           FakeTensorMode)
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten

@@ -5,7 +5,7 @@ pread_rows) reach the disk store's own reader; its native step reads inside one 
 which they cannot reach. `reads_by_the_store(monkeypatch, when)` makes the native step
 hand its misses to the store's reader (read mode READ_NONE: what it does after a failed
 read) for the calls `when(ids)` picks, so those tests go through the native step too.
-(The LD_PRELOAD shim of tests/test_e2e_faults.py fails reads below both, in libc.)
+(The LD_PRELOAD shim of tests/e2e/test_e2e_faults.py fails reads below both, in libc.)
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class RecordingStreams:
     def record_stream(self, tensor, stream) -> None:
         try:
             ptr = tensor.data_ptr()
-        except RuntimeError:  # a fake tensor (tests/capture.py) has no storage
+        except RuntimeError:  # a fake tensor (tests/support/capture.py) has no storage
             ptr = id(tensor)
         self._note("record_stream", ptr, stream)
 

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from tests.support.demo_support import reference, table_dir
-from engram_sglang.tools.demo.corpus import demo_corpus
 from engram_sglang.serving.launch import Server, _group_members
+from engram_sglang.tools.demo.corpus import demo_corpus
+from tests.support.demo_support import reference, table_dir
 
 # Tests only: SGLang's CPU platform without PyNccl, found through its entry point (see the module).
 GLOO_PLATFORM_DIR = Path(__file__).resolve().parent / "cpu_gloo_platform"

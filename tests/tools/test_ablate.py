@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.demo_support import demo_dir, reference
+from engram_sglang.core.errors import EngramError
 from engram_sglang.tools.analysis import ablate, report
 from engram_sglang.tools.analysis.inputs import MIN_DOC_TOKENS, Pair, documents, load_pairs
 from engram_sglang.tools.analysis.scoring import ReferenceScorer, ServerScorer
 from engram_sglang.tools.cli import main
-from engram_sglang.core.errors import EngramError
+from tests.support.demo_support import demo_dir, reference
 
 STDLIB = Path(os.__file__).parent
 CODE = STDLIB / "bisect.py"  # held out: the demo's tables are built from the first stdlib files only

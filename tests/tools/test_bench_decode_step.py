@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engram_sglang.models.layer import EngramLayer
 from engram_sglang.core.rowformat import bf16_bits
+from engram_sglang.models.layer import EngramLayer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "decode_step.py"
@@ -124,9 +124,9 @@ def test_the_staged_disk_graph_variant_matches_device_placement(tmp_path, monkey
     buffers), replayed after step() hashed the tokens on the host and staged the rows. Step
     by step, its Engram outputs equal the device placement's eager ones bit for bit; a
     replay without the staging (negative control) does not."""
-    from bench import decode_step as ds
     from types import SimpleNamespace
 
+    from bench import decode_step as ds
     from engram_sglang.core.stores import maintenance, open_store
 
     torch.set_grad_enabled(False)

@@ -5,7 +5,6 @@ LRU hits nothing)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np

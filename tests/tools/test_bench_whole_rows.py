@@ -5,8 +5,6 @@ more hits than a whole-table cache of the same size on a skewed trace."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch

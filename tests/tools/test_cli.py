@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.tables import small_config
 from engram_sglang import EngramLayout
-from engram_sglang.tools.cli import main
 from engram_sglang.core.rowformat import ROW_BYTES, split
 from engram_sglang.core.tablefile import MANIFEST, layer_file_name, open_tables
+from engram_sglang.tools.cli import main
+from tests.support.tables import small_config
 
 CFG = small_config(300, layer_ids=(2,), n_heads=2)
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from tests.support.demo_support import demo_dir, reference, table_dir
 from engram_sglang import EngramConfig, EngramError
 from engram_sglang.core.config import DEFAULT_TABLE_DIR
-from engram_sglang.tools.demo.model import DEMO_PROMPTS, add_parser, build_demo_model
 from engram_sglang.core.tablefile import open_tables, verify_tables
+from engram_sglang.tools.demo.model import DEMO_PROMPTS, add_parser, build_demo_model
+from tests.support.demo_support import demo_dir, reference, table_dir
 
 NEW_TOKENS = 16
 

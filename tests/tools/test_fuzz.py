@@ -10,17 +10,16 @@ import importlib.util
 import json
 import os
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engram_sglang.tools.cli import main
 from engram_sglang.core.config import EngramConfig
 from engram_sglang.core.errors import EngramConfigError, TableFormatError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.tablefile import MANIFEST, convert_checkpoint, verify_tables, write_tables
+from engram_sglang.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "fuzz"

@@ -393,7 +393,7 @@ def test_a_trace_gives_each_layouts_hit_rate_by_replay(tmp_path):
 
 
 # ------------------------------------------------------------------ disk placement: when SSD pays
-from engram_sglang.core.planning import disk as disk_plan  # noqa: E402
+from engram_sglang.core.planning import disk as disk_plan
 
 
 def small_model(tmp_path) -> tuple[Path, object]:
@@ -408,7 +408,7 @@ def small_model(tmp_path) -> tuple[Path, object]:
     return tmp_path, EngramConfig.from_pretrained(tmp_path)
 
 
-def zipf_trace(cfg, steps=60, streams=32, seed=0) -> dict[int, "np.ndarray"]:
+def zipf_trace(cfg, steps=60, streams=32, seed=0) -> dict:
     import numpy as np
 
     from engram_sglang.core.hashing import EngramLayout

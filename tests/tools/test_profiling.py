@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from engram_sglang import EngramConfig, NgramHasher
-
-from engram_sglang.tools.demo import run as demo
-
-from engram_sglang.tools import profiling
 from engram_sglang.core.errors import EngramError, TokenizerMismatchError
 from engram_sglang.core.hashing import EngramLayout, compressed_token_map
+from engram_sglang.tools import profiling
+from engram_sglang.tools.demo import run as demo
 
 STDLIB = Path(os.__file__).parent
 CORPUS = [STDLIB / "argparse.py", STDLIB / "textwrap.py", STDLIB / "string.py"]  # real text, offline
@@ -264,8 +262,8 @@ def test_broken_profile_files_are_one_line(model_dir, tmp_path):
 def test_profile_trace_is_each_streams_ids_in_decode_order(model_dir, tmp_path, capsys):
     """profile --trace: ids_L [steps, streams, C] equal to each stream hashed whole, read back
     by the planner under the model's fingerprint, and `plan --placement disk --trace` replays it."""
-    from engram_sglang.tools.planner import plan
     from engram_sglang.core.planning.disk import read_trace
+    from engram_sglang.tools.planner import plan
 
     parser = argparse.ArgumentParser(prog="engram-sglang")
     profiling.add_parser(parser.add_subparsers(dest="command", required=True))

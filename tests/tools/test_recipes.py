@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from engram_sglang.serving.settings import KNOBS, ServeSettings
-
 from engram_sglang.tools.planner import GIB, PLACEMENTS, load_gpus, plan, valid_tps
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "configs" / "recipes"

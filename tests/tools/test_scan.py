@@ -12,10 +12,10 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from tests.support.demo_support import demo_dir, reference
 from engram_sglang.tools.analysis.inputs import documents
 from engram_sglang.tools.analysis.scan import Corpus, layer_order, run_scan
 from engram_sglang.tools.cli import main
+from tests.support.demo_support import demo_dir, reference
 
 CODE = Path(os.__file__).parent / "bisect.py"  # held out from the demo's tables
 
@@ -98,8 +98,8 @@ def test_scan_cli_json_and_a_missing_file(tmp_path, capsys):
 
 
 def test_gate_stats_round_trip_and_skipped_rows(tmp_path):
-    from engram_sglang.tools.analysis.skip import random_rows, read_gate_stats, skipped_rows, write_gate_stats
     from engram_sglang.core.errors import EngramError
+    from engram_sglang.tools.analysis.skip import random_rows, read_gate_stats, skipped_rows, write_gate_stats
 
     path = write_gate_stats(tmp_path / "g.npz", hand_corpus(), [7], "fp", {})
     stats = read_gate_stats(path, "fp")

@@ -51,7 +51,7 @@ class NativeLib:
 
 def _bind(kind: str, lib: ctypes.CDLL) -> None:
     """The signatures of kernels/cpu/engram_cpu_abi.h or kernels/cuda/engram_gpu_abi.h (cuda, hip);
-    tests/test_native_abi.py checks them against those headers."""
+    tests/kernels/test_native_abi.py checks them against those headers."""
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     getattr(lib, f"engram_{kind}_abi_version").restype = i32
     gather = getattr(lib, f"engram_{kind}_gather_dequant")

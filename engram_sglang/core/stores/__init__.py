@@ -13,10 +13,10 @@ from ..errors import EngramError
 from ..placement_table import PLACEMENTS, WHOLE
 from ..placement_table import placement as placement_spec
 from ..tablefile import open_tables
+from . import rowio
 from .base import Prefetch, TableIOError, TableStore, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .metrics import METRICS
-from . import rowio
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +120,15 @@ def open_store(
 
 
 __all__ = ["HotRowCache", "PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]
+
+
+# The placements' store classes, imported on first use (each pulls in its own dependencies).
+_STORE_CLASSES = {"DeviceStore": ".device", "HostStore": ".host", "DiskStore": ".disk"}
+
+
+def __getattr__(name: str):
+    if name in _STORE_CLASSES:
+        import importlib
+
+        return getattr(importlib.import_module(_STORE_CLASSES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import EngramError
+from ..ops import gather_dequant
 from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
 from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
@@ -396,3 +397,20 @@ class TableStore(ABC):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class WholeTableStore(TableStore):
+    """A store holding its whole shard as one packed table `table`, which the op reads
+    directly, or by `table_address` where that is set (a host table registered with the GPU)."""
+
+    table: torch.Tensor
+    table_address: Optional[int] = None
+
+    def _gather(self, ids, out):
+        rows = gather_dequant(self.table, ids.to(self.device), out=out, row_range=self.row_range,
+                              backend=self.backend, table_address=self.table_address)
+        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
+
+    @property
+    def resident_table(self) -> ResidentTable:
+        return ResidentTable(self.table, self.table_address)

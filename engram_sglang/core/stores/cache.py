@@ -13,9 +13,9 @@ maintains; maintenance runs between forward steps, outside any graph, driven by 
 counters so that replays count: `maintenance.between_steps()`, which the serving layer
 calls after every forward step, maintains each cache every `maintain_every` steps
 (stores/maintenance.py has the cadence and its cost). Standalone users call
-`between_steps()` or `maintain()` themselves. Checked on the CPU by tests/capture.py (any
+`between_steps()` or `maintain()` themselves. Checked on the CPU by tests/support/capture.py (any
 host sync or Python state change inside a "captured" call raises) and by replaying a traced
-graph of the gather (tests/test_capture.py); real CUDA capture runs in bench/gpu_check.py.
+graph of the gather (tests/core/test_capture.py); real CUDA capture runs in bench/gpu_check.py.
 
 Measured against LRU, a static frequency set, an idealized LFU (exact counts, fully
 associative, admission every step) and the offline optimum in bench/cache.py: on real

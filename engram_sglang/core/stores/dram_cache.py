@@ -20,7 +20,7 @@ section 6). All index work is numpy over a call's sorted unique ids (a decode st
 thousand): no per-row Python. The disk store's native step (stores/disk_step.py) runs the
 same policy, ported to C++ in kernels/io/engram_dram_policy.h, on this cache's own arrays
 and scalars (`_state`), so both see one cache and give the same hits on the same calls
-(tests/test_disk_step.py).
+(tests/core/test_disk_step.py).
 
 Also the landing place of read-ahead (`DiskStore.read_ahead`): rows read before the step
 that needs them, so a prefill chunk's reads overlap the previous chunk's compute.

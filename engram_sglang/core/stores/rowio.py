@@ -12,9 +12,9 @@ import numpy as np
 
 from .. import nativelibs
 from ..errors import EngramError
+from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 from . import dram_cache
 from .dram_cache import STATE_FIELDS
-from ..nativelibs import kernels_dir  # noqa: F401  (tests find the sources beside it)
 
 _LIB_NAME = "libengram_rowio.so"
 
@@ -43,7 +43,7 @@ def library() -> ctypes.CDLL:
 
 
 def _bind(lib) -> None:
-    """The signatures of kernels/io/engram_rowio_abi.h (tests/test_native_abi.py checks them
+    """The signatures of kernels/io/engram_rowio_abi.h (tests/kernels/test_native_abi.py checks them
     against it)."""
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.engram_rowio_copy_mapped.argtypes = [p, p, i64, p, i32, ctypes.POINTER(i64)]

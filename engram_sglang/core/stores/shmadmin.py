@@ -11,6 +11,7 @@ from typing import Optional
 from ..errors import EngramError
 from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, scan, sidecars
 
+
 def holders(path: Path) -> Optional[list[int]]:
     """PIDs holding a copy (its `.users` flocks, from /proc/locks); None when that is unknown."""
     users = sidecars(path)[1]

@@ -3,7 +3,7 @@
 Every tensor that crosses streams is ordered by an event and kept alive on the stream
 that reads it (`record_stream`); a worker thread never touches a stream at all except to
 wait, on the host, for an event that says its input is ready. Keeping these calls in one
-place lets the tests replace them by a recording fake (tests/fake_streams.py) that runs
+place lets the tests replace them by a recording fake (tests/support/fake_streams.py) that runs
 the GPU code paths on the CPU and checks the order, which no CPU run could otherwise show.
 
 `for_device(device)` returns the real operations for a CUDA/HIP device (ROCm's torch

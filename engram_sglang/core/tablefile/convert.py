@@ -18,7 +18,6 @@ from ..rowformat import PAYLOAD_BYTES, SCALE_BYTES, pack
 from .fileformat import CHUNK_ROWS, MAX_MANIFEST_BYTES, _is_count, _one_line, _plain_name, _short
 from .write import write_tables
 
-
 _INDEX = "model.safetensors.index.json"
 
 

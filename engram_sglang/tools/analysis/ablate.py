@@ -141,8 +141,8 @@ def cmd_ablate(args) -> int:
 
 
 def _with_server(args, domains) -> dict:
-    from ..profiling import load_tokenizer
     from ...serving.launch import Server
+    from ..profiling import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     # Check the inputs before a server start costs half a minute.

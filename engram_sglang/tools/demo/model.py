@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from ...core.config import DEFAULT_TABLE_DIR, EngramConfig
-from .corpus import demo_corpus, train_tokenizer
 from ...core.hashing import EngramLayout, NgramHasher, compressed_token_map
 from ...core.rowformat import ROW_VALUES, quantize
+from .corpus import demo_corpus, train_tokenizer
 
 DEMO_SEED = 20261129
 TABLE_DIR_NAME = DEFAULT_TABLE_DIR  # the demo writes its tables where serving looks for them

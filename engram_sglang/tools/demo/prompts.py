@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import NamedTuple, Sequence
 
-from .model import MAX_NGRAM as ORDER, ORDER_WEIGHT
+from .model import MAX_NGRAM as ORDER
+from .model import ORDER_WEIGHT
 
 
 class RecallPrompt(NamedTuple):

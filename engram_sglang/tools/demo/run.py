@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ...core.config import EngramConfig
-from .corpus import DEMO_PROSE, demo_corpus, train_tokenizer  # noqa: F401  (re-exported: bench/, tests)
 from ...core.hashing import EngramLayout
 from ...core.rowformat import ROW_BYTES
+from .corpus import DEMO_PROSE, demo_corpus, train_tokenizer  # noqa: F401  (re-exported: bench/, tests)
 
 
 def print_deepseek_layout() -> None:
@@ -76,11 +76,11 @@ def run_demo(workdir: str | os.PathLike = "build/demo", placements: Sequence[str
     import torch
     from transformers import AutoTokenizer
 
+    from ...core.tablefile import inspect_tables, verify_tables
+    from ...models.reference import ReferenceModel
     from .model import TABLE_DIR_NAME
     from .prompts import recall_prompts
     from .serve import OFF, engram_off_model, print_costs, serve_all
-    from ...models.reference import ReferenceModel
-    from ...core.tablefile import inspect_tables, verify_tables
 
     workdir = Path(workdir)
     print_deepseek_layout()

@@ -92,8 +92,8 @@ def serve_all(model_dir: Path, off_dir: Path, placements: Sequence[str], prompts
               new_tokens: int, workdir: Path) -> list[Served]:
     """Start a server per placement and one with Engram off (device placement), two starts
     at a time; then measure them one by one (the idle ones sleep), stopping each after."""
-    from .model import TABLE_DIR_NAME
     from ...serving.launch import Server
+    from .model import TABLE_DIR_NAME
 
     common = {"max_total_tokens": 4096, "args": ("--max-running-requests", str(len(prompts)))}
     runs = [Served(p, p) for p in placements] + [Served(OFF, "device")]

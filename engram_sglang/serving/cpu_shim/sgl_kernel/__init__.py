@@ -10,7 +10,7 @@ real package.
 
 from __future__ import annotations
 
-import torch
+import torch  # noqa: F401  (loaded first, as by the real sgl_kernel)
 
 __version__ = "0.0.0+engram-cpu-shim"
 

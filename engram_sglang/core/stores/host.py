@@ -1,9 +1,11 @@
-"""The three placements of a layer table: device memory, host memory, a file on disk
-(DiskStore, in stores/disk.py).
+"""The host placement: a layer table in host memory (anonymous, or one /dev/shm copy per node),
+bound to a NUMA node, huge pages where the system gives them, registered with the GPU and read
+in-kernel through its device address.
 
-All three end in the same op, `gather_dequant`, over packed rows: the device and host
-stores hand it the whole (shard of the) table, the disk store a staging buffer of the
-call's unique rows. So the bits are the same by construction, and the tests check it.
+The device store (stores/device.py), this one and the disk store (stores/disk.py) end in the
+same op, `gather_dequant`, over packed rows: the device and host stores hand it the whole
+(shard of the) table, the disk store a staging buffer of the call's unique rows. So the bits
+are the same by construction, and the tests check it.
 """
 
 from __future__ import annotations
@@ -14,60 +16,21 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ..errors import EngramError
-from ..ops import gather_dequant, probe
+from ..ops import probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmcopy
 from . import numa as numa_mod
-from .base import ResidentTable, TableStore
-from .disk import DiskStore  # noqa: F401  (the third placement, re-exported)
+from .base import WholeTableStore
 from .metrics import METRICS
 
 logger = logging.getLogger(__name__)
 
 
-class _WholeTableStore(TableStore):
-    """A store holding its whole shard as one packed table `table`, which the op reads
-    directly, or by `table_address` where that is set (a host table registered with the GPU)."""
-
-    table: torch.Tensor
-    table_address: Optional[int] = None
-
-    def _gather(self, ids, out):
-        rows = gather_dequant(self.table, ids.to(self.device), out=out, row_range=self.row_range,
-                              backend=self.backend, table_address=self.table_address)
-        return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
-
-    @property
-    def resident_table(self) -> ResidentTable:
-        return ResidentTable(self.table, self.table_address)
-
-
-class DeviceStore(_WholeTableStore):
-    """The rows in the compute device's memory (RAM on a CPU-only machine)."""
-
-    placement = "device"
-    # The table as the op reads it is `table` itself (see HostStore.table_address).
-    table_address: Optional[int] = None
-
-    def __init__(self, layer_id, path, rows, row_range, device, backend):
-        super().__init__(layer_id, path, rows, row_range, device, backend)
-        lo, hi = row_range
-        rows_np = np.fromfile(path, dtype=np.uint8, count=(hi - lo) * ROW_BYTES, offset=DATA_OFFSET + lo * ROW_BYTES)
-        if rows_np.size != (hi - lo) * ROW_BYTES:
-            raise EngramError(f"{path}: ended early while loading rows {lo}..{hi - 1} (truncated?)")
-        self.table = torch.from_numpy(rows_np.reshape(hi - lo, ROW_BYTES)).to(self.device)
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.table.numel()
-
-
-class HostStore(_WholeTableStore):
+class HostStore(WholeTableStore):
     """The rows in host memory (anonymous, or one /dev/shm copy per node), bound to the NUMA
     node `numa` chooses (stores/numa.py), huge pages where the system gives them, registered
     with the GPU and read in-kernel by the device address the runtime maps them at
