@@ -1,5 +1,5 @@
-"""The docs the code cites exist in the repository, nothing points outside it, and the
-operating guide's flag table is the one the code prints."""
+"""The docs the code cites exist in the repository, the code paths the docs cite exist, nothing
+points outside it, and the operating guide's flag table is the one the code prints."""
 
 from __future__ import annotations
 
@@ -75,3 +75,118 @@ def test_a_broken_citation_is_reported(tmp_path):
     assert any("m.py:2: cites docs/gone.md" in f for f in found), found
     assert any("points outside" in f for f in found), found
     assert not any("here.md" in f for f in found), found
+
+
+# ------------------------------------------------------------ code paths the prose cites
+# The pages whose paths a reader follows (paths in the code's docstrings are not checked here).
+PROSE = ("README.md", "CONTRIBUTING.md", "docs/*.md", "kernels/README.md", "docker/README.md")
+TOP_LEVEL = ("engram_sglang", "kernels", "tests", "bench", "fuzz", "configs", "docker", "scripts", "mk", ".ci",
+             ".github", "requirements")
+# A file name alone counts for source extensions; a data or config name alone (`manifest.json`,
+# `config.json`) is a file a user has, not one of ours, so those count only with a folder.
+SOURCE_EXT = {".py", ".h", ".cu", ".cpp", ".c", ".mk", ".sh"}
+FOLDER_EXT = SOURCE_EXT | {".toml", ".json", ".yml", ".yaml", ".txt", ".md"}
+BUILD_NAMES = re.compile(r"Makefile|Dockerfile(\.[\w-]+)?")
+# Written by a run, never in a checkout.
+GENERATED = ("bench/out/", "build/")
+# Files the docs name that are not the project's: the demo corpus's standard-library files.
+NOT_OURS = {"_pyio.py", "argparse.py", "bisect.py", "dataclasses.py", "llama.cpp"}
+# A token: a run of path characters; placeholders (`*`, `<x>`, `{L}`) are kept in it so it can be skipped.
+# Not one that continues an absolute path, a URL, a variable or an argument's value (`--domain code=a.py`).
+TOKEN = re.compile(r"(?<![\w./:@~$=-])[\w.*<>{}-]+(?:/[\w.*<>{}-]*)*")
+COMPONENT = re.compile(r"[A-Za-z_.][\w.-]*")
+# A placeholder: a glob or template character, a component in capitals (`MODEL_DIR/`), or
+# NAME / X inside a name (`tests/tools/test_bench_NAME.py`).
+PLACEHOLDER = re.compile(r"[*<>{}]|(?:^|/)[A-Z][A-Z0-9_]*(?:\.\w+)?(?:/|$)|(?<![A-Za-z0-9])(?:NAME|X)(?![A-Za-z0-9])")
+REAL_CAPS = re.compile(r"(?:^|/)(?:README|CONTRIBUTING|MANIFEST|LICENSE)\.\w+$")
+
+
+def prose_files(root: Path) -> list[Path]:
+    return sorted({p for pattern in PROSE for p in root.glob(pattern) if p.is_file()})
+
+
+def is_code_path(token: str) -> bool:
+    if "/" not in token:
+        return Path(token).suffix in SOURCE_EXT or bool(BUILD_NAMES.fullmatch(token))
+    if token.endswith("/"):
+        parts = token[:-1].split("/")
+        return all(COMPONENT.fullmatch(p) for p in parts) and parts[0] not in {".", ".."}
+    name = token.rsplit("/", 1)[1]
+    return Path(name).suffix in FOLDER_EXT or bool(BUILD_NAMES.fullmatch(name))
+
+
+def skipped(token: str) -> bool:
+    if token in NOT_OURS or any(token.startswith(g) for g in GENERATED):
+        return True
+    return bool(PLACEHOLDER.search(token)) and not REAL_CAPS.search(token)
+
+
+def resolves(root: Path, token: str, page: Path) -> bool:
+    """A path under a top-level folder is repo-relative; any other is tried against the package,
+    kernels/, the repository root and the citing page's own folder (`serving/modes.py`,
+    `cuda/vendor.h`, `setup.py`)."""
+    path = token.rstrip("/")
+    if path.split("/")[0] in TOP_LEVEL:
+        bases = [root]
+    else:
+        bases = [root / "engram_sglang", root / "kernels", root, page.parent]
+    return any((base / path).is_dir() if token.endswith("/") else (base / path).is_file() for base in bases)
+
+
+def defines(path: Path, name: str) -> bool:
+    return re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b", path.read_text(), re.MULTILINE) is not None
+
+
+def missing_functions(root: Path, page: Path, text: str) -> list[str]:
+    """Test functions cited as `path::name` (or `::name` after such a path on its line) that
+    the file does not define."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        current = None
+        for m in re.finditer(r"(tests/[\w/]+\.py)?::(\w+)", line):
+            if m.group(1):
+                current = root / m.group(1)
+            if current is not None and current.is_file() and not defines(current, m.group(2)):
+                found.append(f"{page.relative_to(root)}:{number}: cites {current.relative_to(root)}::{m.group(2)}, "
+                             f"which that file does not define")
+    return found
+
+
+def missing_code_paths(root: Path) -> list[str]:
+    found = []
+    for page in prose_files(root):
+        text = page.read_text()
+        for m in TOKEN.finditer(text):
+            token = m.group(0).rstrip(".")
+            if not is_code_path(token) or skipped(token) or resolves(root, token, page):
+                continue
+            line = text[:m.start()].count("\n") + 1
+            found.append(f"{page.relative_to(root)}:{line}: cites {token}, which is not in the repository")
+        found += missing_functions(root, page, text)
+    return found
+
+
+def test_every_cited_code_path_exists():
+    found = missing_code_paths(ROOT)
+    assert not found, "\n".join(found)
+
+
+def test_a_missing_code_path_is_reported(tmp_path):
+    for path in ("engram_sglang/serving/modes.py", "kernels/cuda/vendor.h", "tests/core/test_x.py", "setup.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("def test_y():\n    pass\n" if path.endswith("test_x.py") else "")
+    (tmp_path / "README.md").write_text(
+        "Present: `serving/modes.py`, engram_sglang/serving/, `cuda/vendor.h`, tests/core/test_x.py::test_y, "
+        "setup.py.\n"
+        "Gone: `engram_sglang/gone.py`, `ops/gather.py`,\nmodes.py, tests/test_x.py, `kernels/io/`, Makefile.\n"
+        "`tests/core/test_x.py::test_y`, `::test_gone`.\n`::test_z` follows no file.\n"
+        "Not paths: bench/NAME.py, tests/tools/test_bench_NAME.py, `configs/recipes/*.json`, MODEL_DIR/config.json,\n"
+        "manifest.json, argparse.py, https://x.org/a/b.py, /dev/shm/, --domain code=a.py, bench/out/gather.json, "
+        "3.5/7.2/.\n")
+    found = missing_code_paths(tmp_path)
+    reported = {f.split(" cites ")[1].split(",")[0] for f in found if "does not define" not in f}
+    assert reported == {"engram_sglang/gone.py", "ops/gather.py", "modes.py", "tests/test_x.py", "kernels/io/",
+                        "Makefile"}, found
+    assert any(f.startswith("README.md:3: cites modes.py") for f in found), found
+    functions = [f for f in found if "does not define" in f]
+    assert functions == ["README.md:4: cites tests/core/test_x.py::test_gone, which that file does not define"], found
