@@ -222,7 +222,7 @@ def test_an_old_module_path_is_the_new_module_and_warns_once():
         import json, sys, warnings
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            import engram_sglang.stores.cache as old
+            import engram_sglang.stores.cache as old  # the old paths on purpose
             import engram_sglang.stores.cache as again
             from engram_sglang import config as old_config
         import engram_sglang.core.stores.cache as new, engram_sglang.core.config as new_config
@@ -237,9 +237,9 @@ def test_an_old_module_path_is_the_new_module_and_warns_once():
         "engram_sglang.config moved to engram_sglang.core.config; the old path goes in the next release"]
 
 
-@pytest.mark.parametrize("old, new", [("engram_sglang.cli", "engram_sglang.tools.cli"),
-                                      ("engram_sglang.planner", "engram_sglang.tools.planner")])
-def test_python_m_of_an_old_command_path_runs_the_new_main(old, new):
+@pytest.mark.parametrize("command", ["cli", "planner"])
+def test_python_m_of_an_old_command_path_runs_the_new_main(command):
+    old, new = f"engram_sglang.{command}", f"engram_sglang.tools.{command}"  # (built: the old path is gone)
     ran = [subprocess.run([sys.executable, "-m", m, "--help"], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}) for m in (old, new)]
     assert ran[0].returncode == ran[1].returncode == 0, ran[0].stderr[-2000:]

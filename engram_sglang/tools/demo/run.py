@@ -1,10 +1,10 @@
 """The built-in demo (`make demo`): real SGLang serving an Engram model on this machine.
 
 Shows DeepSeek-V4.1-Flash's table layout and sizes, builds the small Qwen3 + Engram demo
-model once (demo_model.py: a tokenizer trained here on text the machine has, weights from
+model once (model.py: a tokenizer trained here on text the machine has, weights from
 a fixed seed, packed tables), serves it with `sglang.launch_server` with its tables on
-disk, in host memory and in device memory, and once with Engram off (demo_serve.py), sends
-each server the same prompts at once (chosen from the corpus: demo_prompts.py), prints
+disk, in host memory and in device memory, and once with Engram off (serve.py), sends
+each server the same prompts at once (chosen from the corpus: prompts.py), prints
 tokens/s, each placement's Engram cost per step beside one decoder layer's, the completions
 with Engram on and off side by side, checks the served tokens against the PyTorch reference
 forward, and stops.
