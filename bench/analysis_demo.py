@@ -1,6 +1,6 @@
 """`engram-sglang ablate` and `scan` on the demo model, scored on held-out text: the README's figures.
 
-The demo's tables are a memory of its own corpus (demo_corpus.py: the first standard-library
+The demo's tables are a memory of its own corpus (engram_sglang/tools/demo/corpus.py: the first standard-library
 files in name order, and some prose), so these figures demonstrate the tools; they say
 nothing about DeepSeek's Engram. Domains:
 

@@ -1,6 +1,6 @@
 """The demo's text and tokenizer: text every machine has offline (prose that exercises
 normalization, and Python's own standard library sources) and a byte-level BPE tokenizer
-trained on it locally. The demo model is built from these (demo_model.py); the demo, the
+trained on it locally. The demo model is built from these (model.py); the demo, the
 benchmarks and the tests read them too."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`engram-sglang demo-model DIR`: a small Qwen3 + Engram model built here, from nothing.
 
-* Tokenizer: byte-level BPE trained locally on text this machine has (demo_corpus.py).
+* Tokenizer: byte-level BPE trained locally on text this machine has (corpus.py).
 * Backbone weights: drawn from a fixed seed (small, so the backbone barely moves the
   residual stream).
 * Engram tables: n-gram memory of the same corpus. Every hash column's row holds the mean

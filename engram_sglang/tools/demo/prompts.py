@@ -1,6 +1,6 @@
 """Demo prompts the demo model can recall: chosen from its corpus by a rule on the corpus alone.
 
-The demo model (demo_model.py) is an n-gram memory of its corpus: at every token its Engram
+The demo model (model.py) is an n-gram memory of its corpus: at every token its Engram
 rows hold the mean embedding of what followed the same 2-, 3- and 4-grams in the corpus
 (hashed into small tables, quantized to fp8), and its logits add those votes up, longer
 n-grams weighing more (demo_model.ORDER_WEIGHT). Its ideal is the corpus's own interpolated

@@ -51,7 +51,7 @@ def demo_model(workdir: Path) -> tuple[Path, bool]:
 
     model_dir = workdir / "model"
     stamp = model_dir / ".engram-demo-stamp"
-    # The generator, the corpus it reads (demo_corpus.py) and the table format decide the model's bytes.
+    # The generator, the corpus it reads (corpus.py) and the table format decide the model's bytes.
     from ...core import config, hashing, rowformat, tablefile
     from . import corpus
 
