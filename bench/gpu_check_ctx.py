@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engram_sglang.testing import PAYLOAD, ROW_BYTES, check_bits, oracle_lut  # noqa: F401
+from engram_sglang.testing import PAYLOAD, ROW_BYTES, oracle_lut
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG_LAYER = 1

@@ -20,20 +20,18 @@ import numpy as np
 
 from bench.gpu_check_ctx import (
     BIG_LAYER,
-    PAYLOAD,
     ROOT,
-    ROW_BYTES,
     SMALL_LAYERS,
     Ctx,
     Replayer,
     Skip,
-    bits_of,
-    check_bits,
     delay,
     layer_seed,
     row_bytes,
     side_stream,
 )
+from engram_sglang.testing import PAYLOAD, ROW_BYTES, check_bits
+from engram_sglang.testing import raw_bits as bits_of
 
 LINES_PER_ROW = 5  # a 264-byte row at an 8-byte aligned offset touches five 64-byte lines
 
