@@ -86,7 +86,7 @@ def load() -> None:
 
     _register_cli_hooks()
     for name in HOOKS:
-        _after_import(name, _patch_from_hooks_module)
+        _after_import(name, patch)
     logger.info("engram-sglang %s plugin loaded", __version__)
 
 
@@ -98,6 +98,7 @@ def _register_cli_hooks() -> None:
         logger.warning("engram-sglang: this SGLang has no plugin hook registry; use ENGRAM_* variables, not --engram-*")
         return
     types = {"hook-around": HookType.AROUND, "hook-after": HookType.AFTER}
+    # Only the command line's module has such targets (tests/plugin/test_patch_targets.py checks).
     for target in hooks_module("sglang.srt.server_args").TARGETS:
         # The registry logs a hook it cannot apply and goes on: _apply checks the module's targets first.
         HookRegistry.register(target.name, target.hook, types[target.action])
@@ -109,10 +110,6 @@ def patch(module, sglang_module: Optional[str] = None, *, only: Optional[str] = 
     from . import targets
 
     targets.apply(hooks_module(sglang_module or module.__name__).TARGETS, module, only=only)
-
-
-def _patch_from_hooks_module(module) -> None:
-    patch(module)
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -60,6 +60,8 @@ def test_each_target_sits_in_the_hooks_module_of_its_sglang_module_with_its_hook
         for t in module.TARGETS:
             assert t.module == name and callable(t.hook), t
             assert t.hook.__module__ == module.__name__, f"{t.name}: its hook lives in {t.hook.__module__}"
+            # load() registers the HookRegistry targets of server_args alone.
+            assert t.on_import or name == "sglang.srt.server_args", t
 
 
 def test_scheduler_run_batch_is_wrapped_once_in_its_order(monkeypatch):
