@@ -1,6 +1,9 @@
 """`engram-sglang`: the operators' tools (tables convert/verify/inspect, demo, ...).
 
-Every command turns an EngramError into one line on stderr and exit status 2.
+Every command turns an EngramError into one line on stderr and exit status 2, and so a
+standard output it cannot write (`>/dev/full`: "cannot write to standard output"). A closed
+pipe (`engram-sglang ... | head -1`) ends it quietly with exit status 141, 128 + SIGPIPE, what
+a shell reports for a coreutils tool the pipe cut off (`set -o pipefail` sees both alike).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from ..core.errors import EngramError
+
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE, as the shell reports `seq 1000000 | head -1`'s seq
 
 
 def _cmd_convert(args) -> int:
@@ -152,13 +157,84 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+class _StdoutError(Exception):
+    """Writing standard output failed (`.error`, the OSError): not an OSError itself, so that
+    neither a command's own `except OSError` nor argparse's (--help) swallows it, and a
+    command's own OSErrors (a table file on a full disk, a server's socket) are not taken for it."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs: the same stream, whose write errors are _StdoutError."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutError(e) from e
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutError(e) from e
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, buffer, ...
+        return getattr(self._stream, name)
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     try:
-        return args.func(args)
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
     except EngramError as e:
         print(f"engram-sglang: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    except SystemExit:  # argparse's --help and usage errors exit after writing
+        sys.stdout.flush()
+        raise
+    # A buffered write's error surfaces here, not at the interpreter's exit ("Exception ignored").
+    sys.stdout.flush()
+    return code
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null, so that what is still buffered goes nowhere at the
+    interpreter's exit instead of failing again there (a second message, exit status 120)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # an in-memory stream: no descriptor to repoint
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _stdout_failed(error: OSError) -> int:
+    _discard_stdout()
+    if isinstance(error, BrokenPipeError):  # the reader left (`| head -1`): nothing to tell it
+        return EXIT_BROKEN_PIPE
+    print(f"engram-sglang: error: cannot write to standard output: {error.strerror or error}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    stdout = sys.stdout
+    sys.stdout = _GuardedStdout(stdout)
+    try:
+        return _run(argv)
+    except _StdoutError as e:
+        return _stdout_failed(e.error)
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":
