@@ -188,3 +188,161 @@ def test_hostile_inputs_exit_2_with_one_line(tmp_path, rng, capsys):
         signal.alarm(0)
     # Not one failed convert touched the good directory.
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+
+
+# ------------------------------------------ standard output: /dev/full and a closed pipe
+def _leaf_commands(parser, prefix=()):
+    """Every command of the parser as its words: ("tables", "convert"), ..., ("plan",)."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return {prefix}
+    return {leaf for a in subs for name, p in a.choices.items() for leaf in _leaf_commands(p, prefix + (name,))}
+
+
+def _table_dir(tmp_path):
+    from tests.support.tables import random_table_dir
+
+    return random_table_dir(tmp_path, CFG)[0]
+
+
+def _fresh_shm_copy(tmp_path, n):
+    d = tmp_path / f"shm-{n}"
+    d.mkdir()
+    (d / "engram-0123456789abcdef-layer2.rows").write_bytes(b"\0" * 4096)
+    return ["--shm-dir", str(d), "engram-0123456789abcdef-layer2.rows"]
+
+
+# A cheap run of each command that prints something, as argv(tmp_path, n) (n: a fresh name per
+# run); `--help` where a real run starts servers or needs a model (demo, demo-model, profile,
+# ablate, scan): argparse writes it before exiting, which the guard must flush and report too.
+STDOUT_CASES = {
+    ("tables", "convert"): lambda t, n: ["tables", "convert", str(checkpoint(t, torch.Generator().manual_seed(n))[0]
+                                                                   if not (t / "ckpt").exists() else t / "ckpt"),
+                                         str(t / f"converted-{n}")],
+    ("tables", "verify"): lambda t, n: ["tables", "verify", str(_table_dir(t) if n == 0 else t / "t")],
+    ("tables", "inspect"): lambda t, n: ["tables", "inspect", str(_table_dir(t) if n == 0 else t / "t")],
+    ("shm", "ls"): lambda t, n: ["shm", "ls", "--shm-dir", str(t)],
+    ("shm", "rm"): lambda t, n: ["shm", "rm", *_fresh_shm_copy(t, n)],
+    ("demo",): lambda t, n: ["demo", "--help"],
+    ("demo-model",): lambda t, n: ["demo-model", "--help"],
+    ("plan",): lambda t, n: ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "H200"],
+    ("profile",): lambda t, n: ["profile", "--help"],
+    ("ablate",): lambda t, n: ["ablate", "--help"],
+    ("scan",): lambda t, n: ["scan", "--help"],
+    (): lambda t, n: ["--help"],
+}
+CLI = [sys.executable, "-m", "engram_sglang.tools.cli"]
+
+
+def _popen(cmd, stdout):
+    return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def _into_dev_full(cmd):
+    """Start `cmd` with its standard output on /dev/full (every write fails with ENOSPC)."""
+    with open("/dev/full", "w") as full:
+        return _popen(cmd, full)
+
+
+def _into_closed_pipe(cmd):
+    """Start `cmd` writing into a pipe whose only reader has left (as `| head -c0`)."""
+    proc = _popen(cmd, subprocess.PIPE)
+    proc.stdout.close()
+    return proc
+
+
+def _finish(proc):
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def _check_dev_full(rc, err):
+    assert rc == 2, (rc, err)
+    assert err.count("\n") == 1 and err.startswith("engram-sglang: error: cannot write to standard output: "), err
+    assert "No space left on device" in err, err
+
+
+def _check_closed_pipe(rc, err):
+    assert rc == 141, (rc, err)  # 128 + SIGPIPE, the cli's EXIT_BROKEN_PIPE
+    assert err == "", err  # no traceback, no "Exception ignored ... BrokenPipeError"
+
+
+def test_every_command_has_a_stdout_case():
+    from engram_sglang.tools.cli import build_parser
+
+    assert _leaf_commands(build_parser()) == set(STDOUT_CASES) - {()}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", list(STDOUT_CASES), ids=lambda c: " ".join(c) or "engram-sglang")
+def test_stdout_full_is_one_line_exit_2_and_closed_pipe_is_quiet_141(command, tmp_path):
+    from engram_sglang.tools.cli import EXIT_BROKEN_PIPE
+
+    assert EXIT_BROKEN_PIPE == 141
+    make = STDOUT_CASES[command]
+    # The case prints when stdout can be written: the failures below are the guard's, not the case's.
+    ok = subprocess.run(CLI + make(tmp_path, 0), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip(), (ok.returncode, ok.stderr)
+    full, pipe = _into_dev_full(CLI + make(tmp_path, 1)), _into_closed_pipe(CLI + make(tmp_path, 2))
+    _check_dev_full(*_finish(full))
+    _check_closed_pipe(*_finish(pipe))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_checks_fail_a_plain_print_without_the_guard():
+    """Negative control: Python's own behaviour, which the checks above must reject."""
+    plain = [sys.executable, "-c", "import time; time.sleep(0.3); print('x' * 100000)"]
+    rc, err = _finish(_into_dev_full(plain))
+    assert rc == 1 and "Traceback" in err and "OSError: [Errno 28]" in err, (rc, err)
+    with pytest.raises(AssertionError):
+        _check_dev_full(rc, err)
+    rc, err = _finish(_into_closed_pipe(plain))
+    assert rc == 1 and "BrokenPipeError" in err, (rc, err)
+    with pytest.raises(AssertionError):
+        _check_closed_pipe(rc, err)
+
+
+class _FailingStdout:
+    """An in-memory standard output whose writes fail with `error`, once `failing`."""
+
+    def __init__(self, error):
+        self.error, self.failing, self.text = error, True, ""
+
+    def write(self, text):
+        if self.failing:
+            raise self.error
+        self.text += text
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("error, code", [(BrokenPipeError(32, "Broken pipe"), 141),
+                                         (OSError(5, "Input/output error"), 2)])
+def test_stdout_errors_in_process(tmp_path, monkeypatch, capsys, error, code):
+    """The guard in main itself: the stream's error decides the exit, sys.stdout comes back."""
+    fake = _FailingStdout(error)
+    monkeypatch.setattr(sys, "stdout", fake)
+    assert main(["shm", "ls", "--shm-dir", str(tmp_path)]) == code
+    assert sys.stdout is fake
+    err = capsys.readouterr().err
+    assert err == ("" if code == 141 else "engram-sglang: error: cannot write to standard output: Input/output error\n")
+
+
+def test_a_commands_own_oserror_is_not_taken_for_stdout(monkeypatch, capsys, tmp_path):
+    """ENOSPC writing a table file, EPIPE on a server's socket: the command's errors, not stdout's."""
+    import errno
+
+    from engram_sglang.tools import cli
+
+    for error in (OSError(errno.ENOSPC, "No space left on device"), BrokenPipeError(errno.EPIPE, "Broken pipe")):
+        def fail(args, error=error):
+            raise error
+
+        monkeypatch.setattr(cli, "_cmd_inspect", fail)
+        with pytest.raises(type(error)):
+            main(["tables", "inspect", str(tmp_path)])
+    assert capsys.readouterr().err == ""
