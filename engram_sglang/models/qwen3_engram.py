@@ -215,7 +215,9 @@ class Qwen3EngramForCausalLM(nn.Module):
             raise EngramError("Qwen3EngramForCausalLM is a generation model (no embedding mode)")
         step = self.runtime.begin_step(input_ids, positions, forward_batch)
         token_req = step.token_req
-        h = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        # The step's ids: an id the tokenizer does not know is the pad token there, its request
+        # aborted after the batch (EngramRuntime.refuse_unknown_tokens): the embedding sees known ids only.
+        h = self.model.embed_tokens(step.input_ids) if input_embeds is None else input_embeds
         engram_seconds = layer_seconds = 0.0
         layer_calls = 0
         for layer in self.model.layers:
@@ -230,7 +232,7 @@ class Qwen3EngramForCausalLM(nn.Module):
             layer_calls += 1
         h = self.model.norm(h)
         self.runtime.end(step, engram_seconds, layer_seconds, layer_calls)
-        return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
+        return self.logits_processor(step.input_ids, h, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         stacked = [

@@ -182,6 +182,7 @@ class EngramRuntime:
         model's own hasher computed: DeepSeek's upstream hasher), then `begin`. `prefetch`
         False: the layers will ask for other ids than these (a context-parallel slice)."""
         if hash_ids is None:
+            input_ids = self.refuse_unknown_tokens(input_ids, forward_batch)
             hash_ids = self.step_hasher(input_ids, forward_batch)
         token_req, mode = step_tokens(forward_batch, hash_ids.shape[0])
         step = self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
@@ -191,6 +192,32 @@ class EngramRuntime:
         if not step.captured:
             self._current = step
         return step
+
+    def refuse_unknown_tokens(self, input_ids: torch.Tensor, forward_batch) -> torch.Tensor:
+        """The step's ids with every id the hasher's tokenizer does not know replaced by the pad
+        token; the requests that sent one fail, as a failed read does (their slots are kept for
+        the scheduler, which aborts them after this batch: serving/faults.py), never the server.
+        The tokenizer manager refused ids outside the model's vocabulary already
+        (serving/request_check.py): this is for a path that skips it, or an id the model embeds
+        but the tokenizer's compressed vocabulary lacks. Host ids only (a device tensor's
+        min/max would sync every step; the hasher checks host ids only, too)."""
+        token_map = getattr(self.hasher, "token_map", None)
+        if token_map is None or input_ids.device.type != "cpu" or not input_ids.numel():
+            return input_ids
+        known = token_map.numel()
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo >= 0 and hi < known:
+            return input_ids
+        bad = (input_ids < 0) | (input_ids >= known)
+        token_req, _ = step_tokens(forward_batch, input_ids.shape[0])
+        with self._lock:
+            for slot, token in zip(token_req[bad].tolist(), input_ids[bad].tolist()):
+                if slot >= 0:
+                    self._failed.setdefault(int(slot), f"engram: token id {token} is outside the tokenizer's "
+                                                       f"{known} tokens")
+        logger.error("engram-sglang: %d token id(s) outside the tokenizer's %d tokens (e.g. %d); failing the "
+                     "request(s) that sent them, serving the rest", int(bad.sum()), known, lo if lo < 0 else hi)
+        return input_ids.masked_fill(bad, self.cfg.pad_token_id)
 
     @property
     def current_step(self) -> Optional[EngramStep]:

@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -105,6 +107,27 @@ class Run:
         return [json.loads(line) for line in self.trace.read_text().splitlines()]
 
 
+def bad_id_requests(run: Run) -> list[tuple[int, str]]:
+    """Requests holding a token id outside the model's vocabulary (issue 22, item 1): -1 and
+    the vocabulary size by /generate, one by /v1/completions. (HTTP status, error message) each."""
+    vocab = json.loads((demo_dir() / "config.json").read_text())["vocab_size"]
+    bodies = [("/generate", {"input_ids": [5, -1, 7], "sampling_params": {"max_new_tokens": 2}}),
+              ("/generate", {"input_ids": [5, vocab, 7], "sampling_params": {"max_new_tokens": 2}}),
+              ("/v1/completions", {"prompt": [5, vocab, 7], "max_tokens": 2})]
+    out = []
+    for path, body in bodies:
+        req = urllib.request.Request(run.server.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out.append((r.status, r.read().decode(errors="replace")))
+        except urllib.error.HTTPError as e:
+            reply = json.loads(e.read())
+            error = reply.get("error", reply)
+            out.append((e.code, error.get("message") if isinstance(error, dict) else str(error)))
+    return out
+
+
 def prefix_runs(run: Run) -> dict:
     """Long prompts, then prompts extending them (radix-cache hits: prefill starts mid-sequence)."""
     first = [run.generate(p, 12) for p in LONG]
@@ -130,6 +153,7 @@ def device_run(tmp_path_factory):
 def host_run(tmp_path_factory):
     """Host placement, prefill in chunks of 16 tokens."""
     with Run(tmp_path_factory, "host", args=("--chunked-prefill-size", "16"), placement="host") as run:
+        run.results["bad_ids"] = bad_id_requests(run)  # first: every completion below comes after them
         run.results["sequential"] = run.complete(MIXED[:12], MIXED_NEW[:12])
         run.results["prefix"] = prefix_runs(run)
     run.results["trace"] = run.check_trace()
@@ -192,6 +216,18 @@ def test_chunked_prefill_and_prefix_cache_hits_give_the_same_completions(host_ru
         assert run["prefix"]["long"] == [want(p, 12) for p in LONG]
         assert run["prefix"]["extended"] == [want(p, 12) for p in EXTENDED]
         assert all(c >= len(p) - 1 for c, p in zip(run["prefix"]["cached"], LONG)), run["prefix"]["cached"]
+
+
+def test_an_out_of_range_token_id_fails_its_request_with_400_and_the_server_keeps_serving(host_run):
+    """-1 and the vocabulary size as ids (/generate), and in an OpenAI completions prompt: HTTP
+    400 each, one line naming the id and the vocabulary size; the same server then serves every
+    prompt exactly as the reference (it used to die: the hasher raised in the scheduler's forward)."""
+    vocab = json.loads((demo_dir() / "config.json").read_text())["vocab_size"]
+    for (status, message), bad in zip(host_run["bad_ids"], (-1, vocab, vocab)):
+        assert status == 400, (status, message)
+        assert f"token id {bad} " in message and f"vocabulary of {vocab} tokens" in message, message
+        assert "\n" not in message, message
+    assert host_run["sequential"] == [want(p, n) for p, n in zip(MIXED[:12], MIXED_NEW[:12])]
 
 
 # ------------------------------------------------------------- negative controls
