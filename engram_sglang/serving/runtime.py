@@ -11,6 +11,7 @@ statistics SGLang's /server_info reports (`internal_states[i]["engram"]`).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -163,6 +164,7 @@ class EngramRuntime:
         # and the stats file carry it, one file per rank (serving/ranks.py).
         self.rank_labels = rank_labels(tp_rank, tp_size)
         self._stats_path = stats_path(settings.stats_file, self.rank_labels) if settings.stats_file else None
+        self._stats_guard = WriteGuard(self._stats_path) if self._stats_path else None
         self._stats_written = 0.0
         self._open_step: Optional[EngramStep] = None
         self._current: Optional[EngramStep] = None
@@ -483,8 +485,15 @@ class EngramRuntime:
         if self._stats_path is None:
             return
         tmp = self._stats_path.with_name(self._stats_path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.stats(), indent=1))
-        os.replace(tmp, self._stats_path)
+        text = json.dumps(self.stats(), indent=1)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self._stats_path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # never leave the temp file beside the target
+            self._stats_guard.failed(e)
+        else:
+            self._stats_guard.succeeded()
 
     def describe(self) -> list[str]:
         return [self.stores[L].describe() for L in self.cfg.layer_ids]
@@ -498,6 +507,39 @@ class EngramRuntime:
             store.close()
 
 
+class WriteGuard:
+    """Contains failed writes of one target (stats file, trace): serving goes on, and a
+    WARNING naming the target and errno is logged at most once per `interval` seconds,
+    with the count of writes dropped since the last one; the first success after a
+    failure logs one INFO."""
+
+    def __init__(self, path, interval: float = 60.0, clock=time.monotonic):
+        self.path, self.interval, self.clock = Path(path), interval, clock
+        self.failing = False
+        self.dropped = 0  # failures not yet reported
+        self._last_warn: Optional[float] = None
+
+    def failed(self, e: OSError) -> None:
+        self.failing = True
+        self.dropped += 1
+        now = self.clock()
+        if self._last_warn is not None and now - self._last_warn < self.interval:
+            return
+        extra = f" ({self.dropped - 1} more writes dropped since the last warning)" if self.dropped > 1 else ""
+        name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "unknown"
+        logger.warning(
+            "engram-sglang: write to %s failed (%s: %s); serving goes on without it%s; "
+            "free space or fix the target",
+            self.path, name, e.strerror or e, extra,
+        )
+        self._last_warn, self.dropped = now, 0
+
+    def succeeded(self) -> None:
+        if self.failing:
+            self.failing, self.dropped, self._last_warn = False, 0, None
+            logger.info("engram-sglang: writes to %s resumed", self.path)
+
+
 class _TraceWriter:
     """One JSON line per step: per token its request slot, position, token id, and per
     Engram layer its hash ids and the checksum of the rows the layer used."""
@@ -505,6 +547,7 @@ class _TraceWriter:
     def __init__(self, path: str):
         self.path = Path(path)
         self.step = 0
+        self.guard = WriteGuard(self.path)
 
     def write(self, step: EngramStep, layer_ids) -> None:
         line = {
@@ -519,5 +562,10 @@ class _TraceWriter:
             "sum": {str(L): row_checksums(step.rows[L]).tolist() for L in layer_ids if L in step.rows},
         }
         self.step += 1
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as e:  # a full or failing disk must never end the scheduler
+            self.guard.failed(e)
+        else:
+            self.guard.succeeded()
