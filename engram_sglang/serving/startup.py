@@ -12,6 +12,8 @@ the traceback of a failed scheduler, the line says what to fix.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -113,6 +115,8 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
     from .graphs import check_capturable
     from .modes import modes_in_use
 
+    check_write_target("--engram-trace", settings.trace)
+    check_write_target("--engram-stats-file", runtime._stats_path)
     check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
                      staged=runtime.staged is not None, modes=modes_in_use(settings))
     if not whole_rows:
@@ -127,6 +131,31 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
     if modes_in_use(settings) and context_parallel:
         raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
                           "parallel rank's slice of the prompt: start without attention context parallelism")
+
+
+def check_write_target(flag: str, path) -> None:
+    """Refuse at start-up a stats/trace target the first forward could not write: a missing or
+    read-only directory, a full filesystem, or a target that is not a regular file (a FIFO
+    would block the writer, a directory fails). Only stats, never opens: nothing can hang."""
+    if not path:
+        return
+    path = Path(path)
+    where = path.parent if str(path.parent) else Path(".")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise EngramError(f"{flag} {path}: cannot stat it ({e.strerror}): give a writable file path")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise EngramError(f"{flag} {path} is {kind}: give a regular file path (or none)")
+    if not where.is_dir():
+        raise EngramError(f"{flag} {path}: directory {where} does not exist: create it or give another path")
+    if not os.access(where, os.W_OK | os.X_OK) or (mode is not None and not os.access(path, os.W_OK)):
+        raise EngramError(f"{flag} {path} is not writable: fix its permissions or give another path")
+    if os.statvfs(where).f_bavail == 0:
+        raise EngramError(f"{flag} {path}: the filesystem of {where} is full: free space or give another path")
 
 
 def rank_rows(settings, parallel) -> tuple[int, int]:
