@@ -82,6 +82,12 @@ def served(tmp_path_factory):
             except ServerError as e:
                 out["bad"][json.dumps(bad)] = str(e)
         out["stats"] = server.engram_stats()
+        # A full disk under the trace (a symlink to /dev/full: a real ENOSPC) must not stop serving.
+        trace.rename(work / "trace.kept")
+        trace.symlink_to("/dev/full")
+        out["full_disk"] = [generate(server, prefix_prompt, PREFIX_NEW, m)["output_ids"] for m in ("on", "off")]
+        trace.unlink()
+        (work / "trace.kept").rename(trace)
     out["steps"] = trace_lines(trace)
     out["log"] = (work / "sglang.log").read_text(errors="replace")
     return out
@@ -179,6 +185,13 @@ def test_an_off_request_does_not_reuse_a_prefix_computed_with_engram_on(served):
     assert on1["output_ids"] == on2["output_ids"] == ref.generate(prompt, PREFIX_NEW)[0]
     assert off["output_ids"] == ref.generate(prompt, PREFIX_NEW, "off")[0]
     assert off["output_ids"] != on1["output_ids"]
+
+
+def test_a_full_disk_under_the_trace_does_not_stop_serving(served):
+    ref, prompt = reference(), served["prefix_prompt"]
+    assert served["full_disk"] == [ref.generate(prompt, PREFIX_NEW, m)[0] for m in ("on", "off")]
+    assert served["log"].count("No space left on device") >= 1
+    assert "Traceback" not in served["log"]
 
 
 def test_a_bad_mode_gets_http_400_with_one_line(served):
