@@ -562,6 +562,27 @@ def check_bandwidth(ctx: Ctx):
             {"bandwidth": rows_out, "limits": lim, "table": lines})
 
 
+# Issue 23's speed floors, as fractions of the same run's copies (scale multiplies them all;
+# --floor-scale 100 must fail every timing, the negative control).
+HBM_PREFILL_FLOOR = 0.40  # of the device copy's bytes/s, 264 B read + 512 B written per row
+HOST_FLOOR = 0.50  # of the pinned host-to-device copy, in 64-byte lines per row
+DECODE_HBM_US = 25.0  # a decode-sized (6,144-id) gather from HBM, at most
+
+
+def speed_floor_failures(rows: list[dict], scale: float = 1.0) -> list[str]:
+    """One line per timing of check_bandwidth's rows that misses its floor (pure: unit-tested on the CPU)."""
+    bad = []
+    for r in rows:
+        what = f"{r['batch']} {r['placement']} {r['backend']} ({r['ids']} ids)"
+        if r["placement"] == "host" and r["vs_copy"] < HOST_FLOOR * scale:
+            bad.append(f"{what}: {r['vs_copy']:.0%} of the H2D copy, floor {HOST_FLOOR * scale:.0%}")
+        elif r["placement"] == "hbm" and r["batch"] == "prefill" and r["vs_copy"] < HBM_PREFILL_FLOOR * scale:
+            bad.append(f"{what}: {r['vs_copy']:.0%} of the device copy, floor {HBM_PREFILL_FLOOR * scale:.0%}")
+        elif r["placement"] == "hbm" and r["batch"] == "decode" and r["us"] > DECODE_HBM_US / scale:
+            bad.append(f"{what}: {r['us']:.1f} us, floor {DECODE_HBM_US / scale:.2f} us")
+    return bad
+
+
 # ------------------------------------------------------------------ the list
 @dataclass(frozen=True)
 class Check:

@@ -113,3 +113,15 @@ def test_bad_arguments_exit_2(tmp_path, args, message):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"gpu_check: {message}" + ("; `--list` names them" if "named" in message
                                                                          else "")]
+
+
+def test_speed_floors_pass_at_1_and_fail_at_100():
+    from bench.gpu_checks import speed_floor_failures
+
+    rows = [{"batch": "decode", "placement": "hbm", "backend": "cuda", "ids": 6144, "us": 20.0, "vs_copy": 0.3},
+            {"batch": "prefill", "placement": "hbm", "backend": "cuda", "ids": 65536, "us": 900.0, "vs_copy": 0.45},
+            {"batch": "prefill", "placement": "host", "backend": "cuda", "ids": 65536, "us": 9000.0, "vs_copy": 0.55}]
+    assert speed_floor_failures(rows) == []
+    assert len(speed_floor_failures(rows, 100)) == 3  # the negative control: every timing misses
+    slow = [dict(rows[0], us=26.0), dict(rows[1], vs_copy=0.39), dict(rows[2], vs_copy=0.49)]
+    assert len(speed_floor_failures(slow)) == 3
