@@ -101,6 +101,7 @@ def worker(args) -> int:
                 if ctx is None:
                     ctx = gc.Ctx(gpu=not args.dry_run, quick=args.quick, scratch=Path(args.scratch),
                                  out_dir=Path(args.out))
+                    ctx.floor_scale = args.floor_scale
                 limit = args.check_timeout or check.limit(ctx.gpu, ctx.quick)
                 got = check.fn(ctx, limit - 10) if check.wants_timeout else check.fn(ctx)
                 detail, data = got if isinstance(got, tuple) else (got, {})
@@ -189,6 +190,7 @@ def _spawn(args, kind: str, names: list[str], scratch: Path, out_dir: Path):
            "--out", str(out_dir), "--kind", kind, "--checks", *names]
     cmd += ["--dry-run"] if args.dry_run else []
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--floor-scale", str(args.floor_scale)]
     for x in args.inject:
         cmd += ["--inject", x]
     if args.check_timeout:
@@ -346,6 +348,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="every check's CPU part (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="smaller sets and timings (<= 2 minutes on one H200)")
+    ap.add_argument("--floor-scale", type=float, default=1.0, metavar="X",
+                    help="multiply the bandwidth check's speed floors by X (100 must fail: the negative control)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run only these checks (names as --list)")
     ap.add_argument("--budget", type=float, default=None,

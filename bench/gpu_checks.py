@@ -557,6 +557,9 @@ def check_bandwidth(ctx: Ctx):
                      f"{r['rows_per_s'] / 1e6:>9.1f} {r['gb_s']:>7.1f} {r['vs_copy']:>8.0%}")
     lines.append("GB/s: from HBM bytes read + written (264 + 512 per row); from host, 64-byte lines read (5 per row) "
                  "against the host-to-device copy")
+    missed = speed_floor_failures(rows_out, ctx.floor_scale) if ctx.gpu else []  # CPU timings mean nothing
+    if missed:
+        raise AssertionError(f"{len(missed)} timings below their floor: " + "; ".join(missed))
     best = max((r for r in rows_out if r["placement"] == "host"), key=lambda r: r["vs_copy"])
     return (f"{len(rows_out)} timings; host best {best['gb_s']:.1f} GB/s ({best['vs_copy']:.0%} of H2D copy)",
             {"bandwidth": rows_out, "limits": lim, "table": lines})
