@@ -243,6 +243,8 @@ def run(args) -> int:
     info = {"mode": mode, "budget_s": budget, "scratch": str(scratch), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     report = Report(out_dir / ("gpu_check_dry.json" if args.dry_run else "gpu_check.json"), [c.name for c in checks], info)
     print(f"gpu_check ({mode}): {len(checks)} checks, budget {budget:.0f} s, report {report.path}", flush=True)
+    if not preflight(args, report, [c.name for c in checks]):
+        return 1
     t_start = time.monotonic()
     pending = [c.name for c in checks]
     # SIGTERM (a CI timeout, `timeout`): unwind, so that the worker is killed and the report closed.
@@ -267,6 +269,29 @@ def run(args) -> int:
     print(f"{ran} passed, {len(skipped)} skipped, {report.failed} failed of {len(report.checks)} checks in "
           f"{info['seconds']} s; wrote {report.path}")
     return 1 if report.failed else 0
+
+
+def preflight(args, report: Report, names: list[str]) -> bool:
+    """Say in seconds what cannot run here (bench/gpu_check_preflight.py); False (every check
+    failed, not run) when nothing can."""
+    from bench import gpu_check_preflight as pf
+
+    t0 = time.monotonic()
+    problems = pf.judge(pf.gather(gpu=not args.dry_run, torch=sys.modules.get("torch")))
+    if "preflight=fatal" in args.inject:  # the negative control of the tests
+        problems.append(("fatal", "injected (--inject preflight=fatal)"))
+    report.info["preflight"] = [f"{level}: {line}" for level, line in problems]
+    for level, line in problems:
+        print(f"preflight: {'cannot run' if level == 'fatal' else 'warning'}: {line}", flush=True)
+    print(f"preflight: {len(problems)} problem(s) in {time.monotonic() - t0:.1f} s", flush=True)
+    fatal = [line for level, line in problems if level == "fatal"]
+    if fatal:
+        for name in names:
+            report.add(name, "FAIL", 0.0, f"not run: preflight: {fatal[0]}")
+        report.write(done=True)
+        print(f"\n{report.table()}\n\n0 passed, 0 skipped, {report.failed} failed: the preflight found "
+              f"{len(fatal)} problem(s) that stop every check; wrote {report.path}")
+    return not fatal
 
 
 def _lines(fd: int, buf: bytearray) -> tuple[list[str], bool]:

@@ -47,9 +47,13 @@ def test_dry_run_passes_every_cpu_part(tmp_path):
     assert [n.replace("cuda|hip", "cpu") for n in listed()] == names  # --list names every check the run runs
     status = {c["check"]: c["status"] for c in rep["checks"]}
     assert status.pop("torch.compile") == "skip"
+    assert {status.pop(n) for n in list(status) if n.startswith("2 GPUs:")} == {"skip"}  # needs 2 GPUs
+    shm = next(c for c in rep["checks"] if c["check"] == "host store: shared /dev/shm copy")
+    status.pop(shm["check"])
+    assert shm["status"] == "ok" or shm["detail"].startswith("huge pages unavailable here"), shm
     assert set(status.values()) == {"ok"}, rep["checks"]
     # The table on stdout, and the decode-step harness's own report beside ours.
-    assert "15 passed, 1 skipped, 0 failed of 16 checks" in r.stdout
+    assert " 0 failed of 19 checks" in r.stdout and "preflight: 0 problem(s)" in r.stdout
     assert json.loads((tmp_path / "decode_step.json").read_text())["summary"]["bits_equal_device"] is True
     hit = next(c for c in rep["checks"] if c["check"] == "hot-row cache: replays across maintenances")
     assert "first replay 0.00" in hit["detail"]
@@ -69,6 +73,16 @@ def test_hung_crashed_and_failing_checks(tmp_path):
     assert checks["hbm: auto"]["status"] == "FAIL" and "injected failure" in checks["hbm: auto"]["detail"]
     assert "timed out after 3 s" in checks["host store: cpu"]["detail"], checks["host store: cpu"]
     assert "0 passed, 0 skipped, 4 failed of 4 checks" in r.stdout
+
+
+def test_preflight_that_finds_nothing_can_run_stops_in_seconds(tmp_path):
+    t0 = time.monotonic()
+    r = run_check(tmp_path, "--dry-run", "--only", "device", "tables", "--inject", "preflight=fatal", timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 20  # no worker started
+    assert "preflight: cannot run: injected (--inject preflight=fatal)" in r.stdout
+    rep = report(tmp_path)
+    assert rep["done"] and [c["detail"] for c in rep["checks"]] == ["not run: preflight: injected (--inject "
+                                                                    "preflight=fatal)"] * 2
 
 
 def test_budget_stops_the_run(tmp_path):
