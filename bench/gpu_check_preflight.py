@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # What the checks import: (module, what needs it). torch and numpy are needed by every check.
 MODULES = (("torch", "every check"), ("numpy", "every check"), ("safetensors", "the tables check"),
            ("xxhash", "the tables check"), ("sympy", "the tables check (table layout)"),
-           ("triton", "the triton checks"))
+           ("triton", "the triton checks"), ("matplotlib", "the decode step harness (its plots)"))
 FATAL_MODULES = {"torch", "numpy"}
 
 
