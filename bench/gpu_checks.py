@@ -686,40 +686,52 @@ def _gpus_holding(pid: int) -> set[int]:
     return held
 
 
+def _physical_indices(env: dict) -> list[int] | None:
+    """nvidia-smi index of cuda:0, cuda:1, ... under CUDA_DEVICE_ORDER=PCI_BUS_ID (the order
+    nvidia-smi numbers in); None where CUDA_VISIBLE_DEVICES names GPUs by UUID."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(8))
+    parts = [p.strip() for p in visible.split(",") if p.strip()]
+    return [int(p) for p in parts] if all(p.isdigit() for p in parts) else None
+
+
+def _exit(proc) -> str:
+    return f"exit status {proc.wait()}"
+
+
 def check_cuda1_context(ctx: Ctx):
     """Stores on cuda:1 (device, host, disk; gathers and prefetches) in a fresh process leave no
     context on GPU 0 (nvidia-smi's compute apps)."""
     import json
     import os
+    import shutil
 
     _two_gpus(ctx)
-    if ctx.kind != "cuda" or not shutil_which("nvidia-smi"):
+    if ctx.kind != "cuda" or not shutil.which("nvidia-smi"):
         raise Skip("needs nvidia-smi (CUDA) to see which GPUs hold a context")
     env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    visible = [int(x) for x in env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]] if all(
-        x.strip().isdigit() for x in env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")) else None
-    if visible is None:
+    physical = _physical_indices(env)
+    if physical is None:
         raise Skip("CUDA_VISIBLE_DEVICES names GPUs by UUID: cannot map them to nvidia-smi's indices")
     proc = subprocess.Popen([sys.executable, "-c", _CUDA1_SCRIPT, str(ctx.opened("small"))], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
-        pid = json.loads(proc.stdout.readline())["pid"]
-        held = _gpus_holding(pid)
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the process with stores on cuda:1 ended ({_exit(proc)}) before it reported; "
+                                 f"its error is in the log above")
+        held = _gpus_holding(json.loads(line)["pid"])
     finally:
         proc.kill()
         proc.wait()
-    if visible[1] not in held:
-        raise AssertionError(f"nvidia-smi shows no context of the process on GPU {visible[1]} (held: {sorted(held)}): "
+    gpu0, gpu1 = physical[0], physical[1]
+    if gpu1 not in held:
+        raise AssertionError(f"nvidia-smi shows no context of the process on GPU {gpu1} (held: {sorted(held)}): "
                              f"the query does not see it")
-    if visible[0] in held:
-        raise AssertionError(f"stores on cuda:1 left a context on GPU {visible[0]} (cuda:0)")
-    return f"contexts on GPUs {sorted(held)} only (cuda:1 is GPU {visible[1]})"
-
-
-def shutil_which(name: str):
-    import shutil
-
-    return shutil.which(name)
+    if gpu0 in held:
+        raise AssertionError(f"stores on cuda:1 left a context on GPU {gpu0} (cuda:0)")
+    return f"contexts on GPUs {sorted(held)} only (cuda:1 is GPU {gpu1})"
 
 
 _TP_SCRIPT = r"""

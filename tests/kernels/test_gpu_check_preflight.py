@@ -76,3 +76,11 @@ def test_huge_page_gap_is_a_skip_below_90_percent():
     why = huge_pages_gap(4 << 20, int(0.5 * (4 << 20)), "/dev/shm/x")
     assert why.startswith("huge pages unavailable here: 50% of /dev/shm/x's 4096.0 MiB")
     assert huge_pages_gap(0, 0, "/dev/shm/x").startswith("huge pages unavailable here: 0%")
+
+
+def test_cuda_indices_follow_cuda_visible_devices():
+    from bench.gpu_checks import _physical_indices
+
+    assert _physical_indices({})[:2] == [0, 1]
+    assert _physical_indices({"CUDA_VISIBLE_DEVICES": "3, 1"}) == [3, 1]
+    assert _physical_indices({"CUDA_VISIBLE_DEVICES": "GPU-5c1e,GPU-9a2b"}) is None
