@@ -8,7 +8,7 @@ COMPAT_VENV ?= build/venv-compat
 COMPAT_TORCH ?= 2.11.0
 # What the lent machine has besides torch (its Triton comes with torch).
 COMPAT_PACKAGES ?= numpy safetensors xxhash tqdm prometheus-client matplotlib pytest
-COMPAT_STAMP := $(COMPAT_VENV)/.ready-torch-$(COMPAT_TORCH)-$(shell echo $(COMPAT_PACKAGES) | cksum | cut -d' ' -f1)
+COMPAT_STAMP = $(COMPAT_VENV)/.ready-torch-$(COMPAT_TORCH)-$(shell echo $(COMPAT_PACKAGES) | cksum | cut -d' ' -f1)
 
 .PHONY: gpu-check-compat
 gpu-check-compat: $(COMPAT_STAMP)
