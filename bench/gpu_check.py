@@ -2,7 +2,8 @@
 
 For a machine with Python, its own torch and Triton, no SGLang, no network and no toolchain:
 `PYTHONPATH=. python3 bench/gpu_check.py` with the prebuilt libraries in build/kernels (carried
-with the tree). Checks (bench/gpu_checks.py; rows bit for bit against an oracle computed on the
+with the tree). First a preflight (bench/gpu_check_preflight.py) says in seconds what cannot
+run here. Checks (bench/gpu_checks.py; rows bit for bit against an oracle computed on the
 CPU from the definitions, docs/engram.md section 4):
 
   * the native library (CUDA or HIP) runs on this device and the probe picks it;
@@ -13,7 +14,10 @@ CPU from the definitions, docs/engram.md section 4):
     across maintenances (its hit rate rises, rows stay exact);
   * the disk tier's prefetch consumed on a non-default stream (1000 steps, fresh ids made by a
     kernel on that stream); dropped prefetch handles; torch.compile;
-  * bench/decode_step.py with CUDA graphs; gather bandwidth against same-run copies.
+  * bench/decode_step.py with CUDA graphs; gather bandwidth against same-run copies, failing
+    below issue 23's floors (--floor-scale 100: the negative control);
+  * the node's shared /dev/shm copy through HostStore (a skip below 90% huge pages); with 2+
+    GPUs, no context on GPU 0 from stores on cuda:1 and a TP sum through NCCL/RCCL.
 
     python3 bench/gpu_check.py            # GPU: <= 5 minutes on one H200 (--quick: <= 2)
     python3 bench/gpu_check.py --dry-run  # anywhere: every check's CPU part

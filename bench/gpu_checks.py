@@ -772,7 +772,12 @@ def check_tp_sum(ctx: Ctx):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, "-c", _TP_SCRIPT, str(ctx.opened("big")), init, str(r),
                                str(work / "ids.pt"), str(work / "out.pt")], env=env) for r in (0, 1)]
-    rcs = [p.wait(timeout=240) for p in procs]
+    try:
+        rcs = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:  # a rank stuck in its all-reduce must not outlive the check
+            p.kill()
+            p.wait()
     if any(rcs):
         raise AssertionError(f"the TP ranks exited {rcs}")
     got = torch.load(work / "out.pt")
