@@ -2,7 +2,8 @@
 
 For a machine with Python, its own torch and Triton, no SGLang, no network and no toolchain:
 `PYTHONPATH=. python3 bench/gpu_check.py` with the prebuilt libraries in build/kernels (carried
-with the tree). Checks (bench/gpu_checks.py; rows bit for bit against an oracle computed on the
+with the tree). First a preflight (bench/gpu_check_preflight.py) says in seconds what cannot
+run here. Checks (bench/gpu_checks.py; rows bit for bit against an oracle computed on the
 CPU from the definitions, docs/engram.md section 4):
 
   * the native library (CUDA or HIP) runs on this device and the probe picks it;
@@ -13,7 +14,10 @@ CPU from the definitions, docs/engram.md section 4):
     across maintenances (its hit rate rises, rows stay exact);
   * the disk tier's prefetch consumed on a non-default stream (1000 steps, fresh ids made by a
     kernel on that stream); dropped prefetch handles; torch.compile;
-  * bench/decode_step.py with CUDA graphs; gather bandwidth against same-run copies.
+  * bench/decode_step.py with CUDA graphs; gather bandwidth against same-run copies, failing
+    below issue 23's floors (--floor-scale 100: the negative control);
+  * the node's shared /dev/shm copy through HostStore (a skip below 90% huge pages); with 2+
+    GPUs, no context on GPU 0 from stores on cuda:1 and a TP sum through NCCL/RCCL.
 
     python3 bench/gpu_check.py            # GPU: <= 5 minutes on one H200 (--quick: <= 2)
     python3 bench/gpu_check.py --dry-run  # anywhere: every check's CPU part
@@ -101,6 +105,7 @@ def worker(args) -> int:
                 if ctx is None:
                     ctx = gc.Ctx(gpu=not args.dry_run, quick=args.quick, scratch=Path(args.scratch),
                                  out_dir=Path(args.out))
+                    ctx.floor_scale = args.floor_scale
                 limit = args.check_timeout or check.limit(ctx.gpu, ctx.quick)
                 got = check.fn(ctx, limit - 10) if check.wants_timeout else check.fn(ctx)
                 detail, data = got if isinstance(got, tuple) else (got, {})
@@ -189,6 +194,7 @@ def _spawn(args, kind: str, names: list[str], scratch: Path, out_dir: Path):
            "--out", str(out_dir), "--kind", kind, "--checks", *names]
     cmd += ["--dry-run"] if args.dry_run else []
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--floor-scale", str(args.floor_scale)]
     for x in args.inject:
         cmd += ["--inject", x]
     if args.check_timeout:
@@ -241,6 +247,8 @@ def run(args) -> int:
     info = {"mode": mode, "budget_s": budget, "scratch": str(scratch), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     report = Report(out_dir / ("gpu_check_dry.json" if args.dry_run else "gpu_check.json"), [c.name for c in checks], info)
     print(f"gpu_check ({mode}): {len(checks)} checks, budget {budget:.0f} s, report {report.path}", flush=True)
+    if not preflight(args, report, [c.name for c in checks]):
+        return 1
     t_start = time.monotonic()
     pending = [c.name for c in checks]
     # SIGTERM (a CI timeout, `timeout`): unwind, so that the worker is killed and the report closed.
@@ -265,6 +273,29 @@ def run(args) -> int:
     print(f"{ran} passed, {len(skipped)} skipped, {report.failed} failed of {len(report.checks)} checks in "
           f"{info['seconds']} s; wrote {report.path}")
     return 1 if report.failed else 0
+
+
+def preflight(args, report: Report, names: list[str]) -> bool:
+    """Say in seconds what cannot run here (bench/gpu_check_preflight.py); False (every check
+    failed, not run) when nothing can."""
+    from bench import gpu_check_preflight as pf
+
+    t0 = time.monotonic()
+    problems = pf.judge(pf.gather(gpu=not args.dry_run, torch=sys.modules.get("torch")))
+    if "preflight=fatal" in args.inject:  # the negative control of the tests
+        problems.append(("fatal", "injected (--inject preflight=fatal)"))
+    report.info["preflight"] = [f"{level}: {line}" for level, line in problems]
+    for level, line in problems:
+        print(f"preflight: {'cannot run' if level == 'fatal' else 'warning'}: {line}", flush=True)
+    print(f"preflight: {len(problems)} problem(s) in {time.monotonic() - t0:.1f} s", flush=True)
+    fatal = [line for level, line in problems if level == "fatal"]
+    if fatal:
+        for name in names:
+            report.add(name, "FAIL", 0.0, f"not run: preflight: {fatal[0]}")
+        report.write(done=True)
+        print(f"\n{report.table()}\n\n0 passed, 0 skipped, {report.failed} failed: the preflight found "
+              f"{len(fatal)} problem(s) that stop every check; wrote {report.path}")
+    return not fatal
 
 
 def _lines(fd: int, buf: bytearray) -> tuple[list[str], bool]:
@@ -346,6 +377,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="every check's CPU part (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="smaller sets and timings (<= 2 minutes on one H200)")
+    ap.add_argument("--floor-scale", type=float, default=1.0, metavar="X",
+                    help="multiply the bandwidth check's speed floors by X (100 must fail: the negative control)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--only", nargs="+", default=None, metavar="CHECK", help="run only these checks (names as --list)")
     ap.add_argument("--budget", type=float, default=None,

@@ -74,6 +74,7 @@ class Ctx:
 
         self.torch = torch
         self.gpu, self.quick, self.scratch, self.out_dir = gpu, quick, Path(scratch), Path(out_dir)
+        self.floor_scale = 1.0  # gpu_check's --floor-scale
         if gpu:
             if not torch.cuda.is_available():
                 raise RuntimeError("no GPU visible to torch (run with --dry-run for the CPU parts)")

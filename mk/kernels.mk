@@ -1,6 +1,6 @@
 # Native gather kernels (kernels/): `make kernels` builds, without a GPU,
 #   build/kernels/libengram_cpu.so   host library (g++)
-#   build/kernels/libengram_cuda.so  sm_89, sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc),
+#   build/kernels/libengram_cuda.so  sm_80, sm_89, sm_90, sm_100, sm_120 SASS + compute_120 PTX (nvcc),
 #                                    on the shared CUDA runtime (the libcudart torch loads)
 #   build/kernels/libengram_hip.so   gfx942 + gfx950 code objects (clang 22)
 # both from one launcher source, kernels/cuda/engram_gather.cu, HIP through kernels/hip/vendor.h (one ABI: engram_{cuda,hip}_*)
@@ -27,7 +27,7 @@ LLVM_SUFFIX ?= -22
 ROCM_PATH ?= /usr
 ROCM_BITCODE ?= /usr/lib/x86_64-linux-gnu/amdgcn/bitcode
 
-CUDA_ARCHS := 89 90 100 120
+CUDA_ARCHS := 80 89 90 100 120
 CUDA_PTX_ARCH := 120
 CUDA_TARGETS := $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX_ARCH)
 HIP_ARCHS := gfx942 gfx950

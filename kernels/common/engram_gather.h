@@ -334,23 +334,26 @@ ENGRAM_HD void gather_dequant_rows(const uint8_t* __restrict__ table, const IdT*
                                    int rows_per_pass, int tid) {
     const int chunk = tid % kChunksPerRow;
     const int64_t slot = tid / kChunksPerRow;
+    // Load every id first, so the kUnroll id loads are in flight together instead of each row's
+    // branch waiting on its own id load; rows past n read as id hi, which is out of range.
+    int64_t id[kUnroll];
+    ENGRAM_UNROLL
+    for (int k = 0; k < kUnroll; ++k) {
+        const int64_t r = first_row + slot + static_cast<int64_t>(k) * rows_per_pass;
+        id[k] = r < n ? static_cast<int64_t>(ids[r]) : hi;
+    }
     Word2 w[kUnroll];
     uint32_t sbyte[kUnroll];
     bool live[kUnroll];
     ENGRAM_UNROLL
     for (int k = 0; k < kUnroll; ++k) {
-        const int64_t r = first_row + slot + static_cast<int64_t>(k) * rows_per_pass;
         w[k] = Word2{0u, 0u};
         sbyte[k] = 0u;
-        live[k] = false;
-        if (r < n) {
-            const int64_t id = static_cast<int64_t>(ids[r]);
-            if (id_in_range(id, lo, hi)) {
-                const uint8_t* row = table + (id - lo) * kRowBytes;
-                w[k] = reinterpret_cast<const Word2*>(row)[chunk];  // 8 bytes, 8-aligned
-                sbyte[k] = row[kRowValues + chunk * kChunkValues / kBlockValues];
-                live[k] = true;
-            }
+        live[k] = id_in_range(id[k], lo, hi);
+        if (live[k]) {
+            const uint8_t* row = table + (id[k] - lo) * kRowBytes;
+            w[k] = reinterpret_cast<const Word2*>(row)[chunk];  // 8 bytes, 8-aligned
+            sbyte[k] = row[kRowValues + chunk * kChunkValues / kBlockValues];
         }
     }
     ENGRAM_UNROLL

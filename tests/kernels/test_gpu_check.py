@@ -47,9 +47,13 @@ def test_dry_run_passes_every_cpu_part(tmp_path):
     assert [n.replace("cuda|hip", "cpu") for n in listed()] == names  # --list names every check the run runs
     status = {c["check"]: c["status"] for c in rep["checks"]}
     assert status.pop("torch.compile") == "skip"
+    assert {status.pop(n) for n in list(status) if n.startswith("2 GPUs:")} == {"skip"}  # needs 2 GPUs
+    shm = next(c for c in rep["checks"] if c["check"] == "host store: shared /dev/shm copy")
+    status.pop(shm["check"])
+    assert shm["status"] == "ok" or shm["detail"].startswith("huge pages unavailable here"), shm
     assert set(status.values()) == {"ok"}, rep["checks"]
     # The table on stdout, and the decode-step harness's own report beside ours.
-    assert "15 passed, 1 skipped, 0 failed of 16 checks" in r.stdout
+    assert " 0 failed of 19 checks" in r.stdout and "preflight: 0 problem(s)" in r.stdout
     assert json.loads((tmp_path / "decode_step.json").read_text())["summary"]["bits_equal_device"] is True
     hit = next(c for c in rep["checks"] if c["check"] == "hot-row cache: replays across maintenances")
     assert "first replay 0.00" in hit["detail"]
@@ -69,6 +73,16 @@ def test_hung_crashed_and_failing_checks(tmp_path):
     assert checks["hbm: auto"]["status"] == "FAIL" and "injected failure" in checks["hbm: auto"]["detail"]
     assert "timed out after 3 s" in checks["host store: cpu"]["detail"], checks["host store: cpu"]
     assert "0 passed, 0 skipped, 4 failed of 4 checks" in r.stdout
+
+
+def test_preflight_that_finds_nothing_can_run_stops_in_seconds(tmp_path):
+    t0 = time.monotonic()
+    r = run_check(tmp_path, "--dry-run", "--only", "device", "tables", "--inject", "preflight=fatal", timeout=60)
+    assert r.returncode == 1 and time.monotonic() - t0 < 20  # no worker started
+    assert "preflight: cannot run: injected (--inject preflight=fatal)" in r.stdout
+    rep = report(tmp_path)
+    assert rep["done"] and [c["detail"] for c in rep["checks"]] == ["not run: preflight: injected (--inject "
+                                                                    "preflight=fatal)"] * 2
 
 
 def test_budget_stops_the_run(tmp_path):
@@ -113,3 +127,15 @@ def test_bad_arguments_exit_2(tmp_path, args, message):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"gpu_check: {message}" + ("; `--list` names them" if "named" in message
                                                                          else "")]
+
+
+def test_speed_floors_pass_at_1_and_fail_at_100():
+    from bench.gpu_checks import speed_floor_failures
+
+    rows = [{"batch": "decode", "placement": "hbm", "backend": "cuda", "ids": 6144, "us": 20.0, "vs_copy": 0.3},
+            {"batch": "prefill", "placement": "hbm", "backend": "cuda", "ids": 65536, "us": 900.0, "vs_copy": 0.45},
+            {"batch": "prefill", "placement": "host", "backend": "cuda", "ids": 65536, "us": 9000.0, "vs_copy": 0.55}]
+    assert speed_floor_failures(rows) == []
+    assert len(speed_floor_failures(rows, 100)) == 3  # the negative control: every timing misses
+    slow = [dict(rows[0], us=26.0), dict(rows[1], vs_copy=0.39), dict(rows[2], vs_copy=0.49)]
+    assert len(speed_floor_failures(slow)) == 3
