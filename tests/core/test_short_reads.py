@@ -170,3 +170,16 @@ def test_fill_of_a_truncated_file_ends_early(table, tmp_path):
             hostmem._fill(m, cut, DATA_OFFSET, size - DATA_OFFSET)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_host_placement_load_fails_in_one_line_and_leaves_no_copy(table, tmp_path, monkeypatch, shared):
+    from engram_sglang.core.stores import open_store
+
+    monkeypatch.setattr(os, "preadv", failing(_real_preadv, [errno.EIO] * 100))
+    with pytest.raises(TableIOError) as e:
+        open_store(table, "host", cfg=CFG, shared=shared, shm_dir=tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "into host memory failed after 3 tries (Input/output error)" in msg
+    # No table file, not even a half-filled temporary one: only the shared copy's sidecars.
+    assert not [p for p in tmp_path.iterdir() if not p.name.endswith((".lock", ".users"))]
