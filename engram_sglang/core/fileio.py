@@ -4,16 +4,32 @@ A FIFO, socket or device named where a file belongs would block a plain `open` +
 forever (a FIFO waits for a writer) or stream without end; a huge file would be read into
 memory whole. Every such file is opened non-blocking, checked to be a regular file, and
 read up to a stated bound, or refused with one line naming it.
+
+A read of a file we expect to be there (a header page, rows loaded into host memory) is read
+again where it stopped after a short read, and tried again after a transient error with the
+disk tier's back-off (pread_full, retry_transient).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import time
 from pathlib import Path
-from typing import Type
+from typing import Callable, Type, TypeVar
 
 from .errors import EngramError
+
+T = TypeVar("T")
+
+# A failed read is tried this many more times, after READ_BACKOFF_S * (try number) seconds:
+# the disk tier's default (stores/disk.py) and the host load's policy.
+READ_RETRIES = 2
+READ_BACKOFF_S = 0.01
+# Errors a later try may not see (a flaky device or path, an interrupted or would-block read);
+# a missing file or a refused permission will not go away by trying again.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.EAGAIN})
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -68,6 +84,43 @@ def read_regular(path: str | os.PathLike, limit: int, error: Type[EngramError] =
         raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
     finally:
         os.close(fd)
+
+
+def retry_transient(read: Callable[[], T], retries: int = READ_RETRIES) -> T:
+    """read(), tried again after a transient OSError up to `retries` more times with the back-off.
+
+    The last OSError is raised with `.tries` set to the number of tries it took (1 for an
+    error that is not transient), for the caller's one line ("after N tries")."""
+    for attempt in range(retries + 1):
+        try:
+            return read()
+        except OSError as e:
+            if e.errno not in TRANSIENT_ERRNOS or attempt == retries:
+                e.tries = attempt + 1
+                raise
+            time.sleep(READ_BACKOFF_S * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def pread_full(fd: int, n: int, offset: int, retries: int = READ_RETRIES) -> bytes:
+    """`n` bytes of `fd` from `offset`, fewer only where the file ends first.
+
+    A short read reads again from where it stopped; a transient error is tried again
+    (retry_transient). Raises the last OSError (with `.tries`)."""
+    chunks, got = [], 0
+    while got < n:
+        b = retry_transient(lambda: os.pread(fd, n - got, offset + got), retries)
+        if not b:
+            break  # end of file
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def tries_text(e: OSError) -> str:
+    """ "after N tries" for an OSError that retry_transient raised."""
+    n = getattr(e, "tries", 1)
+    return f"after {n} {'try' if n == 1 else 'tries'}"
 
 
 def inside(root: Path, path: Path) -> bool:

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
+from ..fileio import retry_transient, tries_text
 from ..ops import gpu_runtime
 from . import numa, shmcopy
+from .base import TableIOError
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +144,27 @@ def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int, progress=None)
     """Copy nbytes of `source` from `offset` into the mapping, dropping the file's page cache
     behind us (the table would otherwise sit in RAM twice); `progress(bytes done)` after each
     chunk."""
+    try:
+        fd = os.open(source, os.O_RDONLY)
+    except OSError as e:
+        raise TableIOError(f"{source}: cannot open the layer file to load it into host memory ({e.strerror})") from None
     view = memoryview(dst)
-    fd = os.open(source, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
         done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done : min(nbytes, done + _FILL_CHUNK)]], offset + done)
+        while done < nbytes:  # a short read reads on from where it stopped
+            want = min(nbytes - done, _FILL_CHUNK)
+            try:
+                with view[done : done + want] as chunk:  # released here: the mapping may be closed after an error
+                    n = retry_transient(lambda: os.preadv(fd, [chunk], offset + done))
+            except OSError as e:
+                raise TableIOError(
+                    f"{source}: reading {want:,} bytes at offset {offset + done:,} into host memory failed "
+                    f"{tries_text(e)} ({e.strerror}); check the device (dmesg) and restart") from None
             if n <= 0:
-                raise EngramError(f"{source}: ended after {offset + done} bytes while loading rows into host memory (truncated?)")
+                raise TableIOError(
+                    f"{source}: the file ends early at byte {offset + done:,} of {offset + nbytes:,} while loading "
+                    f"rows into host memory (truncated?); restore the table and restart")
             os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
             done += n
             if progress is not None:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..config import EngramConfig
 from ..errors import EngramConfigError, TableFormatError
-from ..fileio import inside, open_regular, read_regular
+from ..fileio import inside, open_regular, pread_full, read_regular, tries_text
 from ..hashing import EngramLayout
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES, SCALE_BYTES
 from .fileformat import (
@@ -207,9 +207,9 @@ def _check_layer_file(info: LayerInfo, manifest: dict) -> None:
         raise TableFormatError(f"{path}: layer file missing (the manifest lists it)") from None
     try:
         size = os.fstat(fd).st_size
-        page = os.pread(fd, DATA_OFFSET, 0)
+        page = pread_full(fd, DATA_OFFSET, 0)
     except OSError as e:
-        raise TableFormatError(f"{path}: cannot read ({e.strerror})") from None
+        raise TableFormatError(f"{path}: cannot read the header page ({e.strerror}, {tries_text(e)})") from None
     finally:
         os.close(fd)
     if size < want:
