@@ -126,10 +126,13 @@ def test_a_swapped_or_removed_directory_keeps_serving(tables, tmp_path, monkeypa
     store.close()
 
 
-@pytest.mark.parametrize("placement", ["host", "device"])
-def test_host_and_device_placements_serve_what_they_loaded(tables, placement):
+@pytest.mark.parametrize("placement, options", [("host", {}), ("host", {"shared": True}), ("device", {})],
+                         ids=["host", "host-shared", "device"])
+def test_host_and_device_placements_serve_what_they_loaded(tables, tmp_path, placement, options):
     root, rows = tables
-    store = open_store(root, placement, cfg=CFG)[LAYER]
+    if options.get("shared"):
+        options = {**options, "shm_dir": tmp_path}  # a private directory instead of the node's /dev/shm
+    store = open_store(root, placement, cfg=CFG, **options)[LAYER]
     rewrite_in_place(root / layer_file_name(LAYER), rows[LAYER] ^ 0x5A)
     ids = torch.tensor([0, 11, 77])
     assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(rows[LAYER], ids)))
