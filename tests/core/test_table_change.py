@@ -96,6 +96,19 @@ def test_a_changed_header_with_the_mtime_restored_is_noticed(tables, monkeypatch
     store.close()
 
 
+def test_truncated_after_a_look_fails_rows_below_the_cut_too(tables, monkeypatch):
+    """`cp` truncates the file, then writes it: the rows below the cut are not the old ones."""
+    root, rows = tables
+    store = open_store(root, "disk", cfg=CFG)[LAYER]
+    path = root / layer_file_name(LAYER)
+    size = os.path.getsize(path)
+    os.truncate(path, DATA_OFFSET + 100 * ROW_BYTES)
+    next_check(monkeypatch)
+    with pytest.raises(TableIOError, match=rf"rewritten in place .*\(size {size} -> {DATA_OFFSET + 100 * ROW_BYTES} bytes\)"):
+        store.gather(torch.tensor([1, 2]))
+    store.close()
+
+
 def test_checked_at_most_once_per_interval(tables, monkeypatch):
     root, rows = tables
     store = open_store(root, "disk", cfg=CFG)[LAYER]

@@ -98,6 +98,7 @@ class DiskStore(TableStore):
         self._identity = _identity(os.fstat(self._fd))
         self._header = self._header_page()
         self._checked = time.monotonic()
+        self._change_lock = threading.Lock()
 
     @property
     def resident_bytes(self) -> int:
@@ -452,27 +453,35 @@ class DiskStore(TableStore):
         """Every lookup: fail it when the open file was rewritten in place (`cp` over it,
         `rsync --inplace`) since the store opened it. Its rows would be a mix of the old (the
         DRAM cache, the page cache) and the new (fresh reads), so from then on every lookup
-        fails as a truncated file's does, cached rows too. One fstat per `_CHANGE_CHECK_S`;
+        fails, cached rows too (a truncated file's too: `cp` truncates, then writes). One
+        fstat per `_CHANGE_CHECK_S`;
         a directory swapped or removed under the store changes only the old inode's link
         count and ctime: its rows are the same, and are served on."""
         if self._changed is None:
             now = time.monotonic() if now is None else now
             if now - self._checked < _CHANGE_CHECK_S or self._fd < 0:
                 return
-            self._checked = now
-            seen = _identity(os.fstat(self._fd))
-            if seen == self._identity:
+            with self._change_lock:  # the prefetch worker looks too: one look, one ERROR line
+                if self._changed is None and now - self._checked >= _CHANGE_CHECK_S:
+                    self._checked = now
+                    self._look_at_file()
+            if self._changed is None:
                 return
-            what = self._what_changed(seen)
-            self._identity = seen
-            if what is None:
-                return
-            self._changed = f"{self.path} was rewritten in place under the running server ({what})"
-            METRICS.error(self)
-            logger.error("engram layer %d: %s: every lookup of this layer fails from now on; restart the server on "
-                         "the new tables (replace tables by swapping directories, never by writing over the files)",
-                         self.layer_id, self._changed)
         raise TableIOError(f"{self._changed}; its rows are no longer served: restart the server on the new tables")
+
+    def _look_at_file(self) -> None:
+        seen = _identity(os.fstat(self._fd))
+        if seen == self._identity:
+            return
+        what = self._what_changed(seen)
+        self._identity = seen
+        if what is None:
+            return
+        self._changed = f"{self.path} was rewritten in place under the running server ({what})"
+        METRICS.error(self)
+        logger.error("engram layer %d: %s: every lookup of this layer fails from now on; restart the server on "
+                     "the new tables (replace tables by swapping directories, never by writing over the files)",
+                     self.layer_id, self._changed)
 
     def _what_changed(self, seen: tuple) -> Optional[str]:
         """What a changed fstat means: the rows (size, mtime, header page), or None (ctime
@@ -488,14 +497,20 @@ class DiskStore(TableStore):
 
     def _header_page(self) -> bytes:
         """The open file's header page (its identity: layer, rows, config fingerprint), read
-        through a mapping, which an O_DIRECT descriptor allows without aligned buffers."""
-        if self._map is not None:
-            return bytes(self._map[:DATA_OFFSET])
+        again until it is whole or the file ends; an O_DIRECT descriptor is read through a
+        buffered one of the same open file (the path may name another file by now)."""
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY) if self.direct else self._fd
         try:
-            with mmap.mmap(self._fd, DATA_OFFSET, prot=mmap.PROT_READ) as page:
-                return bytes(page)
-        except (OSError, ValueError):  # shorter than a page: the size check says so
-            return b""
+            page = b""
+            while len(page) < DATA_OFFSET:
+                got = os.pread(fd, DATA_OFFSET - len(page), len(page))
+                if not got:
+                    break
+                page += got
+            return page
+        finally:
+            if fd != self._fd:
+                os.close(fd)
 
     def describe(self) -> str:
         how = (("O_DIRECT native AIO" if self._aio else "O_DIRECT preads") if self.direct
