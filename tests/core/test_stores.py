@@ -18,7 +18,7 @@ from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
-from engram_sglang.core.stores import TableIOError, hostmem, open_store, rowio, shard_range
+from engram_sglang.core.stores import TableIOError, disk, hostmem, open_store, rowio, shard_range
 from engram_sglang.core.tablefile import layer_file_name, write_tables
 from tests.support.disk_faults import reads_by_the_store
 from tests.support.tables import small_config
@@ -197,7 +197,10 @@ def test_io_errors_are_retried_then_fail_that_call_only(table_dir, monkeypatch, 
     assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(reference(tables[1], ids)))
 
 
-def test_file_truncated_under_an_open_store(tmp_path, rng):
+def test_file_truncated_under_an_open_store(tmp_path, rng, monkeypatch):
+    # Inside the interval between two looks at the file (after one, the store refuses every
+    # lookup: tests/core/test_table_change.py) the reads are bounded by the file's size.
+    monkeypatch.setattr(disk, "_CHANGE_CHECK_S", float("inf"))
     tables = {L: edge_rows(rng, LAYOUT.rows(L)) for L in CFG.layer_ids}
     root = write_tables(tmp_path / "t", CFG, tables, progress=False)
     store = open_store(root, "disk", cfg=CFG)[1]

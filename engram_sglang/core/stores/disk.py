@@ -36,6 +36,10 @@ _OVERLAP_ROWS = 16384
 # instead of reading them a second time beside it.
 _AHEAD_PIECE_ROWS = 2048
 _AHEAD_WAIT_S = 10.0
+# A lookup fstats its layer file at most once in this many seconds (a file rewritten in place
+# under the store is noticed within it). One fstat is ~1 us; per step and layer file the check
+# costs docs/operations.md's figure ("Tables changed under a running server").
+_CHANGE_CHECK_S = 0.1
 
 
 class DiskStore(TableStore):
@@ -90,6 +94,11 @@ class DiskStore(TableStore):
         self._staging: Optional[StagingPool] = None  # pinned double buffer (GPU prefetch)
         self.native_step = native_step
         self._native = NativeStep(self)
+        self._changed: Optional[str] = None  # why the file no longer holds the rows it held (then every lookup fails)
+        self._identity = _identity(os.fstat(self._fd))
+        self._header = self._header_page()
+        self._checked = time.monotonic()
+        self._change_lock = threading.Lock()
 
     @property
     def resident_bytes(self) -> int:
@@ -111,6 +120,7 @@ class DiskStore(TableStore):
         # The ids visit the host once per call: the reads need them there (on a GPU,
         # `.to("cpu")` on the caller's stream waits for the kernel that made them).
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        self._check_unchanged()
         self._await_ahead(flat)
         if self.native_step:
             return self._gather_native(ids, flat, out)
@@ -207,6 +217,7 @@ class DiskStore(TableStore):
             flat = host_ids.numpy()
             if flat.size:
                 self._check_ids(int(flat.min()), int(flat.max()))
+            self._check_unchanged()
             self._await_ahead(flat)
             local = slot.buffer("local", (flat.shape[0],), torch.int64)
             if self.native_step:
@@ -256,6 +267,7 @@ class DiskStore(TableStore):
         from the DRAM cache where it holds them, else from the file (then admitted);
         written into `out` (uint8 [n, 264], e.g. pinned staging) when given."""
         wanted = np.ascontiguousarray(wanted, dtype=np.int64)
+        self._check_unchanged()
         self._await_ahead(wanted)
         if self.native_step and wanted.shape[0]:
             into = out is not None and out.flags.c_contiguous  # the native call writes rows back to back
@@ -436,6 +448,70 @@ class DiskStore(TableStore):
             f"failed after {self.retries + 1} tries: {_strerror(err)}",
             failed_ids=failed_ids, errno_=max(err, 0), packed=staging)
 
+    # ------------------------------------------------- a layer file rewritten under the store
+    def _check_unchanged(self, *, now: Optional[float] = None) -> None:
+        """Every lookup: fail it when the open file was rewritten in place (`cp` over it,
+        `rsync --inplace`) since the store opened it. Its rows would be a mix of the old (the
+        DRAM cache, the page cache) and the new (fresh reads), so from then on every lookup
+        fails, cached rows too (a truncated file's too: `cp` truncates, then writes). One
+        fstat per `_CHANGE_CHECK_S`;
+        a directory swapped or removed under the store changes only the old inode's link
+        count and ctime: its rows are the same, and are served on."""
+        if self._changed is None:
+            now = time.monotonic() if now is None else now
+            if now - self._checked < _CHANGE_CHECK_S or self._fd < 0:
+                return
+            with self._change_lock:  # the prefetch worker looks too: one look, one ERROR line
+                if self._changed is None and now - self._checked >= _CHANGE_CHECK_S:
+                    self._checked = now
+                    self._look_at_file()
+            if self._changed is None:
+                return
+        raise TableIOError(f"{self._changed}; its rows are no longer served: restart the server on the new tables")
+
+    def _look_at_file(self) -> None:
+        seen = _identity(os.fstat(self._fd))
+        if seen == self._identity:
+            return
+        what = self._what_changed(seen)
+        self._identity = seen
+        if what is None:
+            return
+        self._changed = f"{self.path} was rewritten in place under the running server ({what})"
+        METRICS.error(self)
+        logger.error("engram layer %d: %s: every lookup of this layer fails from now on; restart the server on "
+                     "the new tables (replace tables by swapping directories, never by writing over the files)",
+                     self.layer_id, self._changed)
+
+    def _what_changed(self, seen: tuple) -> Optional[str]:
+        """What a changed fstat means: the rows (size, mtime, header page), or None (ctime
+        alone: the link count of a swapped or removed directory, a chmod)."""
+        size, mtime, _ = self._identity
+        if seen[0] != size:
+            return f"size {size} -> {seen[0]} bytes"
+        if seen[1] != mtime:
+            return "modified: mtime changed"
+        if self._header_page() != self._header:
+            return "header page changed"
+        return None
+
+    def _header_page(self) -> bytes:
+        """The open file's header page (its identity: layer, rows, config fingerprint), read
+        again until it is whole or the file ends; an O_DIRECT descriptor is read through a
+        buffered one of the same open file (the path may name another file by now)."""
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY) if self.direct else self._fd
+        try:
+            page = b""
+            while len(page) < DATA_OFFSET:
+                got = os.pread(fd, DATA_OFFSET - len(page), len(page))
+                if not got:
+                    break
+                page += got
+            return page
+        finally:
+            if fd != self._fd:
+                os.close(fd)
+
     def describe(self) -> str:
         how = (("O_DIRECT native AIO" if self._aio else "O_DIRECT preads") if self.direct
                else "page cache through a persistent mapping")
@@ -478,6 +554,11 @@ class _Staged:
     unique: int
     seconds: float
     fault: Optional[TableReadFault] = None
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What a rewrite of the file's rows changes: size, mtime and ctime (ns)."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _strerror(err: int) -> str:
