@@ -82,6 +82,18 @@ class Mode:
 ON = Mode("on")
 
 
+ECHO_CHARS = 64  # how much of a request's value an error line echoes
+
+
+def echo(value: Any) -> str:
+    """A request value for an error line: its repr, cut to ECHO_CHARS characters so a 1 MiB
+    value does not become a 1 MiB error body and log line."""
+    text = repr(value)
+    if len(text) <= ECHO_CHARS:
+        return text
+    return f"{text[:ECHO_CHARS]}... ({len(text)} bytes)"
+
+
 def parse_mode(value: Any) -> Mode:
     """A request's `custom_params["engram"]`: "on" | "off" | "prefill" | "decode" or
     {"mode": "window", "from": INT, "until": INT (optional)}. Raises ModeError (one line)."""
@@ -91,12 +103,12 @@ def parse_mode(value: Any) -> Mode:
     if isinstance(value, str):
         if value in MODES:
             return Mode(value)
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     if not isinstance(value, dict):
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     unknown = sorted(set(value) - {"mode", "from", "until"})
     if value.get("mode") != WINDOW or unknown:
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     bounds = {}
     for name in ("from", "until"):
         v = value.get(name)
@@ -104,7 +116,7 @@ def parse_mode(value: Any) -> Mode:
             bounds[name] = None
             continue
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= END:
-            raise ModeError(f'{where}["{name}"] must be an integer >= 0 (at most 2**62), got {v!r}')
+            raise ModeError(f'{where}["{name}"] must be an integer >= 0 (at most 2**62), got {echo(v)}')
         bounds[name] = v
     if bounds["until"] is not None and bounds["until"] < bounds["from"]:
         raise ModeError(f'{where}: "until" ({bounds["until"]}) must not be below "from" ({bounds["from"]})')
