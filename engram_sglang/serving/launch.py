@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from ..core.errors import EngramError
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
+ERROR_MARK = "engram-sglang: error: "  # how every engram-sglang error line begins
 
 
 class ServerError(EngramError):
@@ -105,9 +106,11 @@ class Server:
         """The line that says why start-up failed: engram-sglang's own, else the last error."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         lines = text.splitlines()
-        ours = [ln for ln in lines if "engram-sglang: " in ln]
+        # Our error lines carry ERROR_MARK; other "engram-sglang: " lines are notices
+        # (e.g. "--engram-host-whole-rows auto -> on ...") that may come after the error.
+        ours = [ln for ln in lines if ERROR_MARK in ln]
         if ours:
-            return ours[-1][ours[-1].index("engram-sglang: "):]
+            return ours[-1][ours[-1].index(ERROR_MARK):]
         errors = [ln for ln in lines if "Error" in ln or "error" in ln]
         tail = errors[-1] if errors else (lines[-1] if lines else "no output")
         return f"sglang exited during start-up: {tail.strip()} (log: {self.log_path})"

@@ -64,3 +64,17 @@ def test_stop_removes_the_shm_files_sglang_leaves_and_no_other(tmp_path):
             server.proc.wait()
         for path in others + [p for p in SHM.glob(f"*{tag}*")]:
             path.unlink(missing_ok=True)
+
+
+def test_failure_line_is_the_error_not_a_later_notice(tmp_path):
+    server = Server.__new__(Server)
+    server.log_path = tmp_path / "sglang.log"
+    server.log_path.write_text(
+        "[2026-12-03 17:00:00 TP0] engram-sglang: error: --engram-placement disk needs a table directory\n"
+        "[2026-12-03 17:00:01 TP1] engram-sglang: --engram-host-whole-rows auto -> on: 2 GiB fit\n"
+        "[2026-12-03 17:00:02] Received sigquit from a child process. It usually means the child failed.\n")
+    assert server.failure_line() == "engram-sglang: error: --engram-placement disk needs a table directory"
+    # Negative control: a log with notices only names SGLang's last error, not a notice.
+    server.log_path.write_text("[TP0] engram-sglang: --engram-host-whole-rows auto -> on: 2 GiB fit\n"
+                               "[TP0] RuntimeError: CUDA out of memory\n")
+    assert server.failure_line().startswith("sglang exited during start-up: [TP0] RuntimeError: CUDA out of memory")
