@@ -149,6 +149,10 @@ def check_request(tokenized, settings) -> None:
     prefixes by it: the mode's key goes in front of the request's `extra_key`, which scopes
     SGLang's radix cache (SGLang appends a LoRA id at its end)."""
     params = getattr(getattr(tokenized, "sampling_params", None), "custom_params", None)
+    if settings.ablation and params is not None and not isinstance(params, dict):
+        # Silently ignored, it would serve the server's mode to a request that asked for another.
+        raise ModeError(f"sampling_params.custom_params must be a JSON object such as "
+                        f'{{"{PARAM}": "off"}}, got {echo(params)}')
     mode = request_mode(params, server_mode(settings), allowed=settings.ablation)
     if mode != ON and getattr(tokenized, "session_params", None):
         # A session's next turn reuses the last turn's KV (computed in that turn's mode) and

@@ -233,3 +233,11 @@ def test_a_huge_bad_mode_is_echoed_cut_short():
         parse_mode("bogus")
     except ModeError as e:  # negative control: a short value is echoed whole
         assert "'bogus'" in str(e) and "bytes)" not in str(e)
+
+
+def test_a_non_object_custom_params_is_refused_where_modes_are_taken():
+    for params in ("engram=off", ["off"], 3):
+        with pytest.raises(ModeError, match="must be a JSON object"):
+            modes.check_request(tokenized(params), ServeSettings(ablation=True))
+    # Negative control: a server without per-request modes leaves SGLang's custom_params alone.
+    modes.check_request(tokenized("engram=off"), ServeSettings())
