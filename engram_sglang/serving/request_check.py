@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .modes import echo
+
 
 class TokenIdError(ValueError):
     """A request's token id outside the model's vocabulary (SGLang answers a ValueError with HTTP 400)."""
@@ -39,5 +41,5 @@ def check_token_ids(tokenized: Any, vocab_size: Optional[int]) -> None:
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise TokenIdError(f"input_ids: token id {bad} is outside the model's vocabulary of {vocab_size} tokens "
+        raise TokenIdError(f"input_ids: token id {echo(bad)} is outside the model's vocabulary of {vocab_size} tokens "
                            f"(valid ids are 0..{vocab_size - 1})")
