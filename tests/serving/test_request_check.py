@@ -147,7 +147,7 @@ def test_known_ids_in_the_forward_fail_nothing(runtime):
 
 def test_a_huge_token_id_is_echoed_cut_short():
     with pytest.raises(TokenIdError) as e:
-        check_token_ids(SimpleNamespace(input_ids=[1, 10 ** 5000]), 100)
+        check_token_ids(SimpleNamespace(input_ids=[1, 10 ** 200]), 100)
     assert len(str(e.value)) < 300 and "bytes)" in str(e.value)
     with pytest.raises(TokenIdError, match="token id 100 is"):  # negative control: a short id whole
         check_token_ids(SimpleNamespace(input_ids=[1, 100]), 100)
