@@ -144,20 +144,26 @@ def modes_in_use(settings) -> bool:
 
 
 # ------------------------------------------------------------ tokenizer manager
-def check_request(tokenized, settings) -> None:
-    """Check a tokenized generate request's mode (ModeError: HTTP 400) and key its cached
-    prefixes by it: the mode's key goes in front of the request's `extra_key`, which scopes
-    SGLang's radix cache (SGLang appends a LoRA id at its end)."""
-    params = getattr(getattr(tokenized, "sampling_params", None), "custom_params", None)
+def check_params(params: Any, settings, session_params: Any = None) -> Mode:
+    """A request's `custom_params` on this server: its mode, or ModeError (one line)."""
     if settings.ablation and params is not None and not isinstance(params, dict):
         # Silently ignored, it would serve the server's mode to a request that asked for another.
         raise ModeError(f"sampling_params.custom_params must be a JSON object such as "
                         f'{{"{PARAM}": "off"}}, got {echo(params)}')
     mode = request_mode(params, server_mode(settings), allowed=settings.ablation)
-    if mode != ON and getattr(tokenized, "session_params", None):
+    if mode != ON and session_params:
         # A session's next turn reuses the last turn's KV (computed in that turn's mode) and
         # its prompt is all turns: neither the key nor the interval would be this request's.
         raise ModeError(f'sampling_params.custom_params["{PARAM}"] cannot be combined with session_params')
+    return mode
+
+
+def check_request(tokenized, settings) -> None:
+    """Check a tokenized generate request's mode (ModeError: HTTP 400) and key its cached
+    prefixes by it: the mode's key goes in front of the request's `extra_key`, which scopes
+    SGLang's radix cache (SGLang appends a LoRA id at its end)."""
+    params = getattr(getattr(tokenized, "sampling_params", None), "custom_params", None)
+    mode = check_params(params, settings, getattr(tokenized, "session_params", None))
     ids = tokenized.input_ids if tokenized.input_ids is not None else (tokenized.input_embeds or ())
     key = mode.key(len(ids))
     if key is None and modes_in_use(settings):

@@ -235,15 +235,13 @@ def test_hostile_requests_get_one_short_line(served):
     assert len([ln for ln in served["log"].splitlines() if "x" * 65 in ln]) == 0  # nor a 1 MiB log line
 
 
-def test_a_streamed_bad_mode_is_an_error_event(served):
-    """SGLang's /generate with "stream": true answers 200 before the request reaches the
-    tokenizer manager; its own checks and ours then arrive as one error event, then [DONE]
-    (docs/operations.md, "Engram modes")."""
+def test_a_streamed_bad_mode_is_http_400_before_the_stream(served):
+    """SGLang's /generate with "stream": true answers 200 before the tokenizer manager checks
+    the request (its checks then arrive as an error event); plugin/http_server.py checks it
+    first: HTTP 400 with the same one line as unstreamed."""
     status, body = served["hostile"]["streamed_bad_mode"]
-    events = [ln.removeprefix("data: ") for ln in body.decode().splitlines() if ln.startswith("data: ")]
-    assert status == 200 and events[-1] == "[DONE]", (status, body)
-    error = json.loads(events[0])["error"]
-    assert error["code"] == 400 and error["message"].startswith('sampling_params.custom_params["engram"]'), error
+    assert status == 400, (status, body)
+    assert _message(body).startswith('sampling_params.custom_params["engram"] must be'), body
 
 
 def test_tokens_with_engram_off_read_no_rows(served):

@@ -146,6 +146,36 @@ def test_a_batch_with_one_bad_element_names_its_index(monkeypatch):
         manager._create_tokenized_object(tokenized([-1]))
 
 
+def _stream_request(ids, params, **extra):
+    """A stand-in for SGLang's GenerateReqInput as http_server hands it over (not normalized)."""
+    return SimpleNamespace(input_ids=ids, sampling_params=params, text=None, session_params=None,
+                           contains_mm_input=lambda: False, **extra)
+
+
+def test_a_streamed_request_is_checked_before_its_stream_with_the_same_lines():
+    from engram_sglang.serving.request_check import check_before_stream
+    from engram_sglang.serving.settings import ServeSettings
+
+    on = ServeSettings(mode="on", ablation=True)
+    bad_mode = {"max_new_tokens": 2, "custom_params": {"engram": "sideways"}}
+    with pytest.raises(ValueError, match=r'^sampling_params.custom_params\["engram"\] must be'):
+        check_before_stream(_stream_request([5, 6], bad_mode), on, VOCAB)
+    with pytest.raises(ValueError, match="^sampling_params.custom_params must be a JSON object"):
+        check_before_stream(_stream_request([5, 6], {"custom_params": "off"}), on, VOCAB)
+    with pytest.raises(TokenIdError, match=f"^input_ids: token id {VOCAB} "):
+        check_before_stream(_stream_request([5, VOCAB], {}), on, VOCAB)
+    with pytest.raises(TokenIdError, match=r"^batch\[1\] of 3: input_ids: token id -1 "):
+        check_before_stream(_stream_request([[5], [-1], [7]], {}), on, VOCAB)
+    with pytest.raises(ValueError, match=r"^batch\[2\] of 3: sampling_params"):
+        check_before_stream(_stream_request([[5], [6], [7]], [{}, {}, bad_mode]), on, VOCAB)
+    # Negative controls: good requests pass, text prompts and a mode on a server without ablation
+    # as the tokenizer manager sees them (the latter is refused there too: needs --engram-ablation on).
+    check_before_stream(_stream_request([[5], [6]], [{}, {"custom_params": {"engram": "off"}}]), on, VOCAB)
+    check_before_stream(_stream_request(None, {"max_new_tokens": 2}), on, VOCAB)
+    with pytest.raises(ValueError, match="needs a server started with --engram-ablation on"):
+        check_before_stream(_stream_request([5], {"custom_params": {"engram": "off"}}), ServeSettings(), VOCAB)
+
+
 # ------------------------------------------------------------------ the forward
 def _extend_batch(slots, lens):
     mode = SimpleNamespace(is_idle=lambda: False, is_decode=lambda: False, is_target_verify=lambda: False,
