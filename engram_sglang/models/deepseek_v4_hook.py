@@ -213,5 +213,5 @@ def check_late_layer_tail(model, embeds) -> None:
         e = EngramError(f"Engram modes (--engram-mode, --engram-ablation) are not applied to the late-layer tail of "
                         f"decoder SWA bounded replay (layers from {late} on), where Engram layer(s) {tail} run: start "
                         f"SGLang with --no-enable-decoder-swa-bounded-replay, or without Engram modes")
-        logger.error("engram-sglang: %s", e)
+        logger.error("engram-sglang: error: %s", e)  # serving/launch.py ERROR_MARK: the launcher's failure line
         raise e

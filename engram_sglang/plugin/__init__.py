@@ -27,6 +27,8 @@ What it installs (one hooks module each):
   could not be read aborted afterwards (scheduler.py);
 * a request's Engram mode checked where SGLang checks its sampling params (HTTP 400) and
   made part of its prefix-cache key (tokenizer_manager.py);
+* a streamed `/generate` request checked so before its stream starts, so a bad one is HTTP
+  400 as unstreamed (http_server.py);
 * per-KV-slot Engram state (the conv inputs of Qwen3EngramForCausalLM) counted in the KV
   pool's per-token cost (pool_configurator.py) and allocated right after the pool, before
   CUDA-graph capture; the stores' host work (hot-row cache maintenance, statistics) after
@@ -60,6 +62,7 @@ HOOKS = {
     "sglang.srt.models.deepseek_v4": "deepseek_v4",
     "sglang.srt.managers.scheduler": "scheduler",
     "sglang.srt.managers.tokenizer_manager": "tokenizer_manager",
+    "sglang.srt.entrypoints.http_server": "http_server",
     "sglang.srt.model_executor.pool_configurator": "pool_configurator",
     "sglang.srt.model_executor.model_runner": "model_runner",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner": "decode_cuda_graph_runner",

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ from typing import Optional, Sequence
 from ..core.errors import EngramError
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
+ERROR_MARK = "engram-sglang: error: "  # how every engram-sglang error line begins
 
 
 class ServerError(EngramError):
@@ -78,6 +80,7 @@ class Server:
         self.cmd = cmd + list(args)
         self.env.update(env or {})
         self.proc: Optional[subprocess.Popen] = None
+        self._tree: Optional[_TreeRecord] = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 300) -> "Server":
@@ -86,6 +89,7 @@ class Server:
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         log.close()
+        self._tree = _TreeRecord(self.proc.pid).watch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,6 +98,7 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self._tree.record()  # the whole tree is up: what it holds is known now
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
@@ -105,9 +110,11 @@ class Server:
         """The line that says why start-up failed: engram-sglang's own, else the last error."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         lines = text.splitlines()
-        ours = [ln for ln in lines if "engram-sglang: " in ln]
+        # Our error lines carry ERROR_MARK; other "engram-sglang: " lines are notices
+        # (e.g. "--engram-host-whole-rows auto -> on ...") that may come after the error.
+        ours = [ln for ln in lines if ERROR_MARK in ln]
         if ours:
-            return ours[-1][ours[-1].index("engram-sglang: "):]
+            return ours[-1][ours[-1].index(ERROR_MARK):]
         errors = [ln for ln in lines if "Error" in ln or "error" in ln]
         tail = errors[-1] if errors else (lines[-1] if lines else "no output")
         return f"sglang exited during start-up: {tail.strip()} (log: {self.log_path})"
@@ -120,12 +127,15 @@ class Server:
         node's shared host copy, stores/shmcopy.py). A SIGTERM to the whole group at once
         kills the schedulers before they release anything. What is still alive after
         `timeout` gets SIGTERM, then SIGKILL, as a group. Then the /dev/shm files SGLang
-        leaves behind even on its graceful path (`_UPSTREAM_SHM`) are removed, those its
-        processes held only."""
+        leaves behind even on its graceful path (`_UPSTREAM_SHM`) are removed: those any
+        process of the tree held while it ran (recorded since start, so a tree that crashed
+        or failed to start leaves none either), never another server's."""
         if self.proc is None:
             return
         pgid = self.proc.pid
-        leftovers = _upstream_shm_of(_group_members(pgid))  # named now: the group is gone after
+        tree = self._tree if self._tree is not None and self._tree.pgid == pgid else _TreeRecord(pgid)
+        tree.record()  # named now: the group is gone after
+        tree.close()
         self.proc.send_signal(signal.SIGTERM)  # a no-op once the process has been reaped
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and _group_alive(pgid):
@@ -144,7 +154,8 @@ class Server:
                 break
         self.proc.wait(timeout=10)
         self.proc = None
-        _remove_upstream_shm(leftovers)
+        self._tree = None
+        tree.remove_leftovers()
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -208,6 +219,80 @@ def _upstream_shm_of(pids) -> set[Path]:
             if path.parent == _SHM and path.name.startswith(_UPSTREAM_SHM):
                 held.add(path)
     return held
+
+
+class _TreeRecord:
+    """Every PID of one server's process group and every upstream /dev/shm file they held,
+    sampled from start to stop by a daemon thread: by the time a crashed or failed tree is
+    stopped its processes are gone, and with them what /proc said they held. A tree that
+    ends on its own (a crash with no stop after it) is cleaned up by the thread itself."""
+
+    INTERVAL = 0.5  # s; SGLang's files live as long as their scheduler, so one sample finds them
+
+    def __init__(self, pgid: int):
+        self.pgid = pgid
+        self.pids: set[int] = set()
+        self.held: set[Path] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self) -> "_TreeRecord":
+        self.record()
+        self._thread = threading.Thread(target=self._run, name=f"engram-sglang-tree-{self.pgid}", daemon=True)
+        self._thread.start()
+        return self
+
+    def record(self) -> None:
+        members = _group_members(self.pgid)
+        held = _upstream_shm_of(members)
+        with self._lock:
+            self.pids.update(members)
+            self.held |= held
+
+    def close(self) -> None:
+        """Stop sampling (stop() takes over the cleanup)."""
+        self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def remove_leftovers(self) -> None:
+        with self._lock:
+            paths = self.held | _pid_stamped_shm(self.pids, self.pgid)
+        _remove_upstream_shm(paths)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.INTERVAL):
+            self.record()
+            if not _group_alive(self.pgid):
+                self.remove_leftovers()  # crashed with nobody stopping it yet; stop() repeats it harmlessly
+                return
+
+
+def _pid_stamped_shm(pids, pgid: int) -> set[Path]:
+    """sgl_shm_<kind>_<pid>_<rand> files made by these (now dead) processes, also ones never
+    seen held; a PID since reused by a live process outside the group is skipped."""
+    out = set()
+    try:
+        names = os.listdir(_SHM)
+    except OSError:
+        return out
+    for name in names:
+        parts = name.split("_")
+        if not name.startswith("sgl_shm_") or len(parts) < 5 or not parts[-2].isdigit():
+            continue
+        pid = int(parts[-2])
+        if pid in pids and not _alive_outside(pid, pgid):
+            out.add(_SHM / name)
+    return out
+
+
+def _alive_outside(pid: int, pgid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2]) != pgid
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _remove_upstream_shm(paths) -> None:

@@ -82,6 +82,18 @@ class Mode:
 ON = Mode("on")
 
 
+ECHO_CHARS = 64  # how much of a request's value an error line echoes
+
+
+def echo(value: Any) -> str:
+    """A request value for an error line: its repr, cut to ECHO_CHARS characters so a 1 MiB
+    value does not become a 1 MiB error body and log line."""
+    text = repr(value)
+    if len(text) <= ECHO_CHARS:
+        return text
+    return f"{text[:ECHO_CHARS]}... ({len(text)} bytes)"
+
+
 def parse_mode(value: Any) -> Mode:
     """A request's `custom_params["engram"]`: "on" | "off" | "prefill" | "decode" or
     {"mode": "window", "from": INT, "until": INT (optional)}. Raises ModeError (one line)."""
@@ -91,12 +103,12 @@ def parse_mode(value: Any) -> Mode:
     if isinstance(value, str):
         if value in MODES:
             return Mode(value)
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     if not isinstance(value, dict):
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     unknown = sorted(set(value) - {"mode", "from", "until"})
     if value.get("mode") != WINDOW or unknown:
-        raise ModeError(f"{where} must be {shape}, got {value!r}")
+        raise ModeError(f"{where} must be {shape}, got {echo(value)}")
     bounds = {}
     for name in ("from", "until"):
         v = value.get(name)
@@ -104,7 +116,7 @@ def parse_mode(value: Any) -> Mode:
             bounds[name] = None
             continue
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= END:
-            raise ModeError(f'{where}["{name}"] must be an integer >= 0 (at most 2**62), got {v!r}')
+            raise ModeError(f'{where}["{name}"] must be an integer >= 0 (at most 2**62), got {echo(v)}')
         bounds[name] = v
     if bounds["until"] is not None and bounds["until"] < bounds["from"]:
         raise ModeError(f'{where}: "until" ({bounds["until"]}) must not be below "from" ({bounds["from"]})')
@@ -132,16 +144,26 @@ def modes_in_use(settings) -> bool:
 
 
 # ------------------------------------------------------------ tokenizer manager
+def check_params(params: Any, settings, session_params: Any = None) -> Mode:
+    """A request's `custom_params` on this server: its mode, or ModeError (one line)."""
+    if settings.ablation and params is not None and not isinstance(params, dict):
+        # Silently ignored, it would serve the server's mode to a request that asked for another.
+        raise ModeError(f"sampling_params.custom_params must be a JSON object such as "
+                        f'{{"{PARAM}": "off"}}, got {echo(params)}')
+    mode = request_mode(params, server_mode(settings), allowed=settings.ablation)
+    if mode != ON and session_params:
+        # A session's next turn reuses the last turn's KV (computed in that turn's mode) and
+        # its prompt is all turns: neither the key nor the interval would be this request's.
+        raise ModeError(f'sampling_params.custom_params["{PARAM}"] cannot be combined with session_params')
+    return mode
+
+
 def check_request(tokenized, settings) -> None:
     """Check a tokenized generate request's mode (ModeError: HTTP 400) and key its cached
     prefixes by it: the mode's key goes in front of the request's `extra_key`, which scopes
     SGLang's radix cache (SGLang appends a LoRA id at its end)."""
     params = getattr(getattr(tokenized, "sampling_params", None), "custom_params", None)
-    mode = request_mode(params, server_mode(settings), allowed=settings.ablation)
-    if mode != ON and getattr(tokenized, "session_params", None):
-        # A session's next turn reuses the last turn's KV (computed in that turn's mode) and
-        # its prompt is all turns: neither the key nor the interval would be this request's.
-        raise ModeError(f'sampling_params.custom_params["{PARAM}"] cannot be combined with session_params')
+    mode = check_params(params, settings, getattr(tokenized, "session_params", None))
     ids = tokenized.input_ids if tokenized.input_ids is not None else (tokenized.input_embeds or ())
     key = mode.key(len(ids))
     if key is None and modes_in_use(settings):

@@ -13,7 +13,10 @@ as a failed table read does (`EngramRuntime.refuse_unknown_tokens`, serving/faul
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
+
+from .modes import echo
 
 
 class TokenIdError(ValueError):
@@ -39,5 +42,31 @@ def check_token_ids(tokenized: Any, vocab_size: Optional[int]) -> None:
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise TokenIdError(f"input_ids: token id {bad} is outside the model's vocabulary of {vocab_size} tokens "
+        raise TokenIdError(f"input_ids: token id {echo(bad)} is outside the model's vocabulary of {vocab_size} tokens "
                            f"(valid ids are 0..{vocab_size - 1})")
+
+
+def check_before_stream(obj, settings, vocab_size: Optional[int]) -> None:
+    """A streamed /generate request (SGLang's GenerateReqInput, not yet normalized) before
+    SGLang answers 200 (plugin/http_server.py): each element's Engram mode and its token ids
+    as given, with the lines the tokenizer manager would raise (ValueError: HTTP 400)."""
+    from . import modes
+
+    params, ids = obj.sampling_params, obj.input_ids
+    id_lists = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]
+    param_list = params if isinstance(params, list) else None
+    batch = param_list is not None or len(id_lists) > 1 or isinstance(getattr(obj, "text", None), list)
+    n = max(len(param_list or ()), len(id_lists), len(obj.text) if isinstance(getattr(obj, "text", None), list) else 1)
+    multimodal = bool(getattr(obj, "contains_mm_input", lambda: False)())
+    for i in range(n):
+        p = param_list[i] if param_list is not None and i < len(param_list) else params
+        element_ids = id_lists[i] if i < len(id_lists) else None
+        try:
+            custom = p.get("custom_params") if isinstance(p, dict) else None
+            modes.check_params(custom, settings, getattr(obj, "session_params", None))
+            if not multimodal and isinstance(element_ids, list) and all(type(t) is int for t in element_ids):
+                check_token_ids(SimpleNamespace(input_ids=element_ids), vocab_size)
+        except ValueError as e:
+            if not batch:
+                raise
+            raise type(e)(f"batch[{i}] of {n}: {e}") from None

@@ -84,7 +84,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
             runtime.close()
             raise
     except EngramError as e:
-        logger.error("engram-sglang: %s", e)
+        logger.error("engram-sglang: error: %s", e)
         raise
     if per_process:
         runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap

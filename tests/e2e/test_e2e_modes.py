@@ -18,6 +18,8 @@ tokens with Engram on.
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,6 +83,7 @@ def served(tmp_path_factory):
                 out["bad"][json.dumps(bad)] = None
             except ServerError as e:
                 out["bad"][json.dumps(bad)] = str(e)
+        out["hostile"] = hostile_requests(server, prefix_prompt)
         out["stats"] = server.engram_stats()
         # A full disk under the trace (a symlink to /dev/full: a real ENOSPC) must not stop serving.
         trace.rename(work / "trace.kept")
@@ -91,6 +94,32 @@ def served(tmp_path_factory):
     out["steps"] = trace_lines(trace)
     out["log"] = (work / "sglang.log").read_text(errors="replace")
     return out
+
+
+def raw_post(server: Server, body: dict, timeout: float = 120) -> tuple[int, bytes]:
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def hostile_requests(server: Server, prompt: list[int]) -> dict:
+    """Bad requests a few ms each (issue 22 item 13): a 1 MiB mode value, a custom_params that
+    is not an object, a batch with one bad element, and a streamed bad mode."""
+    params = {"max_new_tokens": 2, "temperature": 0.0}
+    vocab = json.loads((demo_dir() / "config.json").read_text())["vocab_size"]
+    return {"vocab": vocab,
+        "huge_mode": raw_post(server, {"input_ids": prompt, "sampling_params": {
+            **params, "custom_params": {"engram": "x" * (1 << 20)}}}),
+        "string_params": raw_post(server, {"input_ids": prompt, "sampling_params": {**params, "custom_params": "off"}}),
+        "batch": raw_post(server, {"input_ids": [prompt, prompt[:5] + [vocab], prompt],
+                                   "sampling_params": params}),
+        "streamed_bad_mode": raw_post(server, {"input_ids": prompt, "stream": True, "sampling_params": {
+            **params, "custom_params": {"engram": "sideways"}}}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +227,33 @@ def test_a_bad_mode_gets_http_400_with_one_line(served):
         assert error is not None and "HTTP 400" in error, (bad, error)
         message = json.loads(error.split(": ", 2)[2])["error"]["message"]
         assert message.startswith('sampling_params.custom_params["engram"]') and "\n" not in message, message
+
+
+def _message(body: bytes) -> str:
+    return json.loads(body)["error"]["message"]
+
+
+def test_hostile_requests_get_one_short_line(served):
+    """A 1 MiB mode value is echoed cut to 64 characters (the body stays small); a custom_params
+    that is not a JSON object is HTTP 400, not the server's mode; a batch's bad element is named."""
+    hostile = served["hostile"]
+    status, body = hostile["huge_mode"]
+    assert status == 400 and len(body) < 1000, (status, len(body))
+    assert _message(body).endswith(f"... ({(1 << 20) + 2} bytes)"), _message(body)
+    status, body = hostile["string_params"]
+    assert status == 400 and _message(body).startswith("sampling_params.custom_params must be a JSON object"), body
+    status, body = hostile["batch"]
+    assert status == 400 and _message(body).startswith(f"batch[1] of 3: input_ids: token id {hostile['vocab']} "), body
+    assert len([ln for ln in served["log"].splitlines() if "x" * 65 in ln]) == 0  # nor a 1 MiB log line
+
+
+def test_a_streamed_bad_mode_is_http_400_before_the_stream(served):
+    """SGLang's /generate with "stream": true answers 200 before the tokenizer manager checks
+    the request (its checks then arrive as an error event); plugin/http_server.py checks it
+    first: HTTP 400 with the same one line as unstreamed."""
+    status, body = served["hostile"]["streamed_bad_mode"]
+    assert status == 400, (status, body)
+    assert _message(body).startswith('sampling_params.custom_params["engram"] must be'), body
 
 
 def test_tokens_with_engram_off_read_no_rows(served):

@@ -36,7 +36,10 @@ def load(runtime, layout, late_layer_start):
 
 
 @pytest.mark.parametrize("late_layer_start, refused", [(3, True), (5, True), (6, False), (None, False)])
-def test_engram_modes_with_an_engram_layer_in_the_late_tail_are_refused(parallel, table, late_layer_start, refused):
+def test_engram_modes_with_an_engram_layer_in_the_late_tail_are_refused(parallel, table, late_layer_start, refused,
+                                                                         caplog):
+    from engram_sglang.serving.launch import ERROR_MARK
+
     table_dir, _, layout = table
     assert CFG.layer_ids == (2, 5)
     runtime = open_runtime(table_dir, "host", mode="prefill")
@@ -46,6 +49,9 @@ def test_engram_modes_with_an_engram_layer_in_the_late_tail_are_refused(parallel
                                                   r"--no-enable-decoder-swa-bounded-replay") as e:
                 load(runtime, layout, late_layer_start)
             assert "\n" not in str(e.value)
+            # The log line carries the error mark: the launcher's failure line (never a notice).
+            assert [r.getMessage() for r in caplog.records if "late-layer tail" in r.getMessage()] == [
+                ERROR_MARK + str(e.value)]
         else:
             assert len(load(runtime, layout, late_layer_start)) == 1
     finally:

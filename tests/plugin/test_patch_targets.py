@@ -28,7 +28,7 @@ PACKAGE = ROOT / "engram_sglang"
 def test_every_patch_target_exists_in_the_installed_sglang():
     pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
     assert patching.sglang_version() == SGLANG_TESTED, "the venv's SGLang is not the release the targets name"
-    assert len(TARGETS) == 14  # the list below, so a target dropped from TARGETS shows up here
+    assert len(TARGETS) == 17  # the list below, so a target dropped from TARGETS shows up here
     names = sorted(t.name for t in TARGETS)
     assert names == sorted([
         "sglang.srt.server_args.prepare_server_args",
@@ -40,6 +40,9 @@ def test_every_patch_target_exists_in_the_installed_sglang():
         "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights",
         "sglang.srt.managers.scheduler.Scheduler.run_batch",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_request",
+        "sglang.srt.entrypoints.http_server.serve_generate_request",
+        "sglang.srt.entrypoints.http_server._create_error_response",
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
         "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",

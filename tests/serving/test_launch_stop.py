@@ -64,3 +64,77 @@ def test_stop_removes_the_shm_files_sglang_leaves_and_no_other(tmp_path):
             server.proc.wait()
         for path in others + [p for p in SHM.glob(f"*{tag}*")]:
             path.unlink(missing_ok=True)
+
+
+def test_failure_line_is_the_error_not_a_later_notice(tmp_path):
+    server = Server.__new__(Server)
+    server.log_path = tmp_path / "sglang.log"
+    server.log_path.write_text(
+        "[2026-12-03 17:00:00 TP0] engram-sglang: error: --engram-placement disk needs a table directory\n"
+        "[2026-12-03 17:00:01 TP1] engram-sglang: --engram-host-whole-rows auto -> on: 2 GiB fit\n"
+        "[2026-12-03 17:00:02] Received sigquit from a child process. It usually means the child failed.\n")
+    assert server.failure_line() == "engram-sglang: error: --engram-placement disk needs a table directory"
+    # Negative control: a log with notices only names SGLang's last error, not a notice.
+    server.log_path.write_text("[TP0] engram-sglang: --engram-host-whole-rows auto -> on: 2 GiB fit\n"
+                               "[TP0] RuntimeError: CUDA out of memory\n")
+    assert server.failure_line().startswith("sglang exited during start-up: [TP0] RuntimeError: CUDA out of memory")
+
+
+# A stand-in `sglang.launch_server` for Server.start: its "scheduler" child makes the two
+# files (as HOLDER does), holds them a moment, then the tree fails its start (an error line,
+# then SIGKILL to the whole group) or, with "serve", answers /health until it is killed (a crash, no stop path).
+FAKE_LAUNCH = """
+import http.server, os, subprocess, sys, threading, time
+loads, mq, how, holder = sys.argv[1:5]
+child = subprocess.Popen([sys.executable, "-c", holder, loads, "open", holder, mq, "closed"],
+                         stdout=subprocess.PIPE, text=True)
+made = [child.stdout.readline().strip() for _ in range(2)]
+open(os.environ["FAKE_MADE"], "w").write("\\n".join(made))
+if how == "fail":
+    time.sleep(1.5)  # the scheduler lived a moment, then died without unlinking
+    print("engram-sglang: error: fake start failure", flush=True)
+    os.killpg(0, 9)  # as SGLang's kill_process_tree on a failed start: nothing unlinks anything
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _fake_server(tmp_path, how: str, tag: str) -> Server:
+    server = Server(tmp_path, log_path=tmp_path / "fake.log", env={"FAKE_MADE": str(tmp_path / "made")})
+    server.cmd = [sys.executable, "-c", FAKE_LAUNCH, f"sglang_loads_test{tag}_{{pid}}.shm", "sgl_shm_mq_{pid}_" + tag,
+                  how, HOLDER, "--port", str(server.port)]
+    return server
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
+@pytest.mark.parametrize("how", ["fail", "crash"])
+def test_a_failed_or_crashed_start_leaves_no_shm_file(tmp_path, how):
+    tag = uuid.uuid4().hex[:8]
+    other = SHM / f"sglang_loads_test{tag}_other.shm"  # another server's: stays
+    other.write_bytes(b"x")
+    server = _fake_server(tmp_path, "fail" if how == "fail" else "serve", tag)
+    try:
+        if how == "fail":
+            with pytest.raises(Exception, match="fake start failure"):
+                server.start(timeout=30)
+        else:
+            server.start(timeout=30)
+            os.killpg(server.proc.pid, 9)  # crashes: nothing of its own unlinks anything
+            server.proc.wait()
+            server.stop(timeout=5)
+        made = [Path(p) for p in (tmp_path / "made").read_text().split("\n")]
+        assert len(made) == 2 and all(p.name.startswith(("sglang_loads_", "sgl_shm_")) for p in made)
+        left = [p for p in made if p.exists()]
+        assert left == [], f"left in /dev/shm after a {how}: {left}"
+        assert other.exists()
+    finally:
+        if server.proc is not None:
+            os.killpg(server.proc.pid, 9)
+            server.proc.wait()
+        for path in [other] + list(SHM.glob(f"*{tag}*")):
+            path.unlink(missing_ok=True)

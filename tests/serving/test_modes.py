@@ -216,3 +216,28 @@ def test_the_runtime_reads_only_the_rows_of_tokens_with_engram_on(tmp_path, plac
         assert runtime.stats()["engram_off_tokens"] == 8
     finally:
         runtime.close()
+
+
+def test_a_huge_bad_mode_is_echoed_cut_short():
+    from engram_sglang.serving.modes import ModeError, parse_mode
+    big = "x" * (1 << 20)
+    for value in (big, {"mode": big}, {"mode": "window", "from": big}):
+        try:
+            parse_mode(value)
+        except ModeError as e:
+            line = str(e)
+        else:
+            raise AssertionError("no ModeError")
+        assert len(line) < 400 and "bytes)" in line and "\n" not in line
+    try:
+        parse_mode("bogus")
+    except ModeError as e:  # negative control: a short value is echoed whole
+        assert "'bogus'" in str(e) and "bytes)" not in str(e)
+
+
+def test_a_non_object_custom_params_is_refused_where_modes_are_taken():
+    for params in ("engram=off", ["off"], 3):
+        with pytest.raises(ModeError, match="must be a JSON object"):
+            modes.check_request(tokenized(params), ServeSettings(ablation=True))
+    # Negative control: a server without per-request modes leaves SGLang's custom_params alone.
+    modes.check_request(tokenized("engram=off"), ServeSettings())

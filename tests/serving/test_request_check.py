@@ -70,6 +70,9 @@ def test_the_tokenizer_manager_hook_checks_every_request_whatever_the_mode(monke
         def _create_tokenized_object(self, obj):
             return obj
 
+        async def _handle_batch_request(self, obj):
+            yield obj
+
     plugin.patch(SimpleNamespace(TokenizerManager=TokenizerManager), "sglang.srt.managers.tokenizer_manager")
     manager = TokenizerManager()
     params = SimpleNamespace(custom_params=None)
@@ -82,6 +85,95 @@ def test_the_tokenizer_manager_hook_checks_every_request_whatever_the_mode(monke
     ok = manager._create_tokenized_object(tokenized([5, VOCAB - 1, 7], extra_key=None, sampling_params=params,
                                                     session_params=None))
     assert ok.extra_key == (None if mode == "on" else "engram=off|")
+
+
+class _Batch:
+    """A stand-in for SGLang's batched GenerateReqInput: `batch[i]` is cached, as SGLang's is."""
+
+    def __init__(self, elements):
+        self.batch_size = len(elements)
+        self._elements = elements
+
+    def __getitem__(self, i):
+        return self.__dict__.setdefault("_sub_obj_cache", {}).setdefault(i, self._elements[i])
+
+
+def _batch_manager(monkeypatch):
+    from engram_sglang.plugin import tokenizer_manager
+    from engram_sglang.serving.settings import ServeSettings
+
+    monkeypatch.setattr(tokenizer_manager, "_settings", [ServeSettings(mode="on")])
+
+    class TokenizerManager:
+        model_config = SimpleNamespace(vocab_size=VOCAB)
+
+        def _create_tokenized_object(self, obj):
+            return obj
+
+        async def _handle_batch_request(self, obj):  # tokenizes each element in turn, as SGLang's does
+            for i in range(obj.batch_size):
+                yield self._create_tokenized_object(obj[i])
+
+    plugin.patch(SimpleNamespace(TokenizerManager=TokenizerManager), "sglang.srt.managers.tokenizer_manager")
+    return TokenizerManager()
+
+
+def _run_batch(manager, batch):
+    import asyncio
+
+    async def collect():
+        return [r async for r in manager._handle_batch_request(batch)]
+
+    return asyncio.run(collect())
+
+
+def test_a_batch_with_one_bad_element_names_its_index(monkeypatch):
+    manager = _batch_manager(monkeypatch)
+    params = SimpleNamespace(custom_params=None)
+    elements = [tokenized([5, 6], extra_key=None, sampling_params=params, session_params=None) for _ in range(8)]
+    elements[3] = tokenized([5, VOCAB + 1], extra_key=None, sampling_params=params, session_params=None)
+    with pytest.raises(TokenIdError) as e:
+        _run_batch(manager, _Batch(elements))
+    assert str(e.value).startswith(f"batch[3] of 8: input_ids: token id {VOCAB + 1} is outside"), str(e.value)
+    bad_mode = SimpleNamespace(custom_params={"engram": "sideways"})
+    elements[3] = tokenized([5, 6], extra_key=None, sampling_params=bad_mode, session_params=None)
+    with pytest.raises(ValueError, match=r'^batch\[3\] of 8: sampling_params.custom_params\["engram"\]'):
+        _run_batch(manager, _Batch(elements))
+    # Negative control: a good batch goes through whole; a single request's line has no index.
+    elements[3] = tokenized([5, 6], extra_key=None, sampling_params=params, session_params=None)
+    assert len(_run_batch(manager, _Batch(elements))) == 8
+    with pytest.raises(TokenIdError, match=r"^input_ids: token id -1 "):
+        manager._create_tokenized_object(tokenized([-1]))
+
+
+def _stream_request(ids, params, **extra):
+    """A stand-in for SGLang's GenerateReqInput as http_server hands it over (not normalized)."""
+    return SimpleNamespace(input_ids=ids, sampling_params=params, text=None, session_params=None,
+                           contains_mm_input=lambda: False, **extra)
+
+
+def test_a_streamed_request_is_checked_before_its_stream_with_the_same_lines():
+    from engram_sglang.serving.request_check import check_before_stream
+    from engram_sglang.serving.settings import ServeSettings
+
+    on = ServeSettings(mode="on", ablation=True)
+    bad_mode = {"max_new_tokens": 2, "custom_params": {"engram": "sideways"}}
+    with pytest.raises(ValueError, match=r'^sampling_params.custom_params\["engram"\] must be'):
+        check_before_stream(_stream_request([5, 6], bad_mode), on, VOCAB)
+    with pytest.raises(ValueError, match="^sampling_params.custom_params must be a JSON object"):
+        check_before_stream(_stream_request([5, 6], {"custom_params": "off"}), on, VOCAB)
+    with pytest.raises(TokenIdError, match=f"^input_ids: token id {VOCAB} "):
+        check_before_stream(_stream_request([5, VOCAB], {}), on, VOCAB)
+    with pytest.raises(TokenIdError, match=r"^batch\[1\] of 3: input_ids: token id -1 "):
+        check_before_stream(_stream_request([[5], [-1], [7]], {}), on, VOCAB)
+    with pytest.raises(ValueError, match=r"^batch\[2\] of 3: sampling_params"):
+        check_before_stream(_stream_request([[5], [6], [7]], [{}, {}, bad_mode]), on, VOCAB)
+    # Negative controls: good requests pass, text prompts and a mode on a server without ablation
+    # as the tokenizer manager sees them (the latter is refused there too: needs --engram-ablation on).
+    check_before_stream(_stream_request([[5], [6]], [{}, {"custom_params": {"engram": "off"}}]), on, VOCAB)
+    check_before_stream(_stream_request(None, {"max_new_tokens": 2}), on, VOCAB)
+    with pytest.raises(ValueError, match="needs a server started with --engram-ablation on"):
+        check_before_stream(_stream_request([5], {"custom_params": {"engram": "off"}}), ServeSettings(), VOCAB)
 
 
 # ------------------------------------------------------------------ the forward
@@ -143,3 +235,11 @@ def test_known_ids_in_the_forward_fail_nothing(runtime):
     ids = torch.tensor([0, 5, known - 1])
     assert runtime.refuse_unknown_tokens(ids, _extend_batch([4], [3])) is ids
     assert runtime.take_failed_requests() == {}
+
+
+def test_a_huge_token_id_is_echoed_cut_short():
+    with pytest.raises(TokenIdError) as e:
+        check_token_ids(SimpleNamespace(input_ids=[1, 10 ** 200]), 100)
+    assert len(str(e.value)) < 300 and "bytes)" in str(e.value)
+    with pytest.raises(TokenIdError, match="token id 100 is"):  # negative control: a short id whole
+        check_token_ids(SimpleNamespace(input_ids=[1, 100]), 100)
