@@ -325,15 +325,17 @@ def test_token_check_finds_a_wrong_token():
 @pytest.mark.slow
 def test_short_soak_on_real_sglang_serves_exactly_under_absorbed_faults(tmp_path):
     """bench/soak.py for 20 s: 32 streaming clients (some disconnect, some abort) against the
-    disk tier with EIO bursts and 50 ms stalls below the reader. Faults were injected, no
-    request failed, every received token is the reference's, the server still serves, and
-    its open fds and shared memory do not grow."""
+    disk tier with EIO bursts and 50 ms stalls below the reader, and one out-of-range token id
+    request (the other side classes start processes: left to `make soak`). Faults were
+    injected, no request failed, every received token is the reference's, the bad id got HTTP
+    400, the server still serves, and its open fds and shared memory do not grow."""
     from tests.support.demo_support import demo_dir
 
     proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "0.33", "--placements",
                            "disk", "--pool", "12", "--warmup", "4", "--sample-s", "1", "--model-dir", str(demo_dir()),
                            "--workdir", str(tmp_path / "work"), "--out", str(tmp_path), "--eio-gap-ms", "300",
-                           "--stall-prob", "0.02"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--stall-prob", "0.02", "--classes", "badid"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads((tmp_path / "soak.json").read_text())
     s = report["summary"][0]
@@ -343,4 +345,7 @@ def test_short_soak_on_real_sglang_serves_exactly_under_absorbed_faults(tmp_path
     assert s["failed"] == 0 and s["lost"] == 0 and s["wrong_outside_failed"] == 0 and s["wrong_in_failed"] == 0, s
     assert s["tokens"] > 100 and s["served_after"] and s["contained"], s
     assert s["growth"]["fds"] <= 2 and abs(s["growth"]["shm_mib"]) < 1, s
+    # One out-of-range id request (10 s in): HTTP 400, and the known prompt after it served.
+    assert s["bad_id_requests"] == 1 and s["bad_id_400"] == 1 and s["served_after_bad_id"] == 1, s
+    assert s["held"] == {"enospc": None, "badid": True, "short": None, "lock": None}, s
     assert proc.returncode == 0, proc.stdout[-2000:]
