@@ -289,11 +289,12 @@ os.close(fd)
 OPENER_SCRIPT = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+import torch
 from engram_sglang.core.stores import open_store
+print("ready", flush=True)  # imported: the open (and its wait) starts now
 t = time.monotonic()
 stores = open_store(sys.argv[1], "host", shared=True, shm_dir=sys.argv[2])
 opened = time.monotonic() - t
-import torch
 rows = next(iter(stores.values())).gather(torch.arange(8))
 print(json.dumps({"open_s": opened, "rows": list(rows.shape)}), flush=True)
 """
@@ -339,8 +340,9 @@ def _stopped(pid: int) -> bool:
 
 
 def frozen_lock_round(copy: Path, table_dir: Path, shm_dir: Path, freeze_s: float) -> dict:
-    """One frozen holder of `copy`'s lock for `freeze_s` and a second process opening the copy
-    meanwhile: how long the opener waited, the lines it logged about the lock, and its outcome."""
+    """One frozen holder of `copy`'s lock and a second process opening the copy, thawed
+    `freeze_s` after the opener's open began: how long the open took (open_s: the wait, then
+    the attach), the lines it logged about the lock, and its outcome."""
     holder = _python(HOLDER_SCRIPT, copy)
     out = {"copy": copy.name, "holder_pid": holder.pid}
     opener = None
@@ -355,6 +357,9 @@ def frozen_lock_round(copy: Path, table_dir: Path, shm_dir: Path, freeze_s: floa
             return out
         t0 = time.monotonic()
         opener = _python(OPENER_SCRIPT, table_dir, shm_dir)
+        # Imports take seconds on a loaded machine: the freeze is counted from the open's start.
+        out["opener_ready"] = opener.stdout.readline().strip() == "ready"
+        out["import_s"] = time.monotonic() - t0
         time.sleep(freeze_s)
         out["opener_done_while_frozen"] = opener.poll() is not None
         os.kill(holder.pid, signal.SIGCONT)
@@ -485,7 +490,7 @@ def side_summary(side: dict, write_dir: Path, faults: dict, classes: tuple) -> d
         "short_open_failures": sorted({o.get("message", o["outcome"]) for o in opens if o["outcome"] != "exact"})[:3],
         "frozen_locks": len(locks), "frozen_lock_opened": sum(x.get("outcome") == "opened" for x in locks),
         "frozen_lock_wait_lines": sum(x.get("lock_lines", 0) for x in locks),
-        "frozen_lock_max_wait_s": max((x.get("wall_s", 0.0) for x in locks), default=None),
+        "frozen_lock_max_wait_s": max((x.get("open_s", 0.0) for x in locks), default=None),
         "frozen_lock_outcomes": [{k: v for k, v in x.items() if k != "holder_pid"} for x in locks][:3],
         # Per class: None where it did not run, else whether it held.
         "held": {"enospc": None if "enospc" not in classes else bool(faults.get("enospc_injected", 0)),
