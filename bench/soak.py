@@ -493,6 +493,7 @@ def side_summary(side: dict, write_dir: Path, faults: dict, classes: tuple) -> d
         "frozen_lock_max_wait_s": max((x.get("open_s", 0.0) for x in locks), default=None),
         "frozen_lock_outcomes": [{k: v for k, v in x.items() if k != "holder_pid"} for x in locks][:3],
         # Per class: None where it did not run, else whether it held.
+        # enospc: injected, and the server lived through it (set by summarize, which knows that).
         "held": {"enospc": None if "enospc" not in classes else bool(faults.get("enospc_injected", 0)),
                  "badid": None if not bad else all(b["status"] == 400 and b["after"] == "completed" for b in bad),
                  "short": None if "short" not in classes else (not opens or all(o["outcome"] == "exact" for o in opens)),
@@ -547,6 +548,7 @@ def log_counts(log: Path) -> dict:
     return {"read_retries": len(re.findall(r"failed \(.*\), try \d+ of \d+", text)),
             "reads_failed_after_retries": len(re.findall(r"engram layer \d+: .* failed after \d+ tries", text)),
             "enospc_log_lines": text.count("No space left on device"),
+            "last_error": (re.findall(r"^\w*(?:Error|Exception): .*$", text, re.M) or [""])[-1][:200],
             "tracebacks": text.count("Traceback (most recent call last)")}
 
 
@@ -717,6 +719,9 @@ def summarize(run: dict, args) -> dict:
     failed = [r for r in reqs if r["outcome"] == "failed"]
     # A contained failure says which table and why (the file and the errno's text).
     named = [r for r in failed if ".rows" in r["message"] and re.search(r"error|errno|short read", r["message"], re.I)]
+    side = dict(run["side_summary"])
+    if side["held"]["enospc"]:
+        side["held"] = dict(side["held"], enospc=bool(run["after"]["served_after"] and run["died_at_s"] is None))
     return {
         "placement": run["placement"], "minutes": duration / 60, "requests": len(reqs), **by,
         "tokens": tokens, "wrong_outside_failed": wrong_ok, "wrong_in_failed": len(wrong) - wrong_ok,
@@ -730,7 +735,7 @@ def summarize(run: dict, args) -> dict:
         "rss_mib_end": samples[-1]["rss_mib"] if samples else None, "fds_end": samples[-1]["fds"] if samples else None,
         "shm_mib_end": samples[-1]["shm_mib"] if samples else None,
         "growth": growth,
-        **run["side_summary"],
+        **side,
         # A few MiB of allocator noise is not a leak; fds and shm must not move at all.
         "no_growth": bool(growth) and growth["rss_mib"] <= max(32.0, 0.03 * samples[-1]["rss_mib"])
         and growth["fds"] <= 2 and abs(growth["shm_mib"]) < 1,
@@ -784,6 +789,8 @@ def report(summaries: list[dict]) -> None:
                 header, rows)
     for s in summaries:
         print(f"{s['placement']}: classes held: " + ", ".join(f"{k} {v}" for k, v in s["held"].items()))
+        if not s["server_alive"] and s["last_error"]:
+            print(f"  the server died: {s['last_error']}")
         for why in s["bad_id_other"] + s["short_open_failures"] + [
                 f"lock: {x.get('outcome')}: {x.get('message', '')}" for x in s["frozen_lock_outcomes"]
                 if x.get("outcome") != "opened"]:
