@@ -1,7 +1,9 @@
 # The soak under faults (bench/soak.py): `make soak` runs real SGLang servers (disk tier by
 # O_DIRECT behind a DRAM row cache, then host placement) under 32 streaming clients for
 # SOAK_MINUTES each, with EIO bursts and stalls injected below the native row reader by
-# build/kernels/libengram_faults.so (an LD_PRELOAD library: kernels/io/engram_faults.c).
+# build/kernels/libengram_faults.so (an LD_PRELOAD library: kernels/io/engram_faults.c), plus
+# ENOSPC on the stats/trace target, short reads, a frozen shared-copy lock holder and one
+# out-of-range token id request per minute (bench/soak.py --classes).
 # SOAK_ARGS passes more flags (e.g. --hard-faults once read errors are contained).
 FAULTS_LIB := build/kernels/libengram_faults.so
 SOAK_MINUTES ?= 10

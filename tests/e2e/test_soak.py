@@ -146,6 +146,164 @@ def test_a_bad_setting_stops_the_process_with_one_line(name, value):
                                                 + ("1]" if "PROB" in name else "1e+12]")]
 
 
+# ------------------------------------------------------------------ write and short-read faults
+# argv: matched dir, unmatched dir. Prints what each call did, as JSON.
+WRITE_SCRIPT = textwrap.dedent("""
+    import errno, json, os, sys
+    from pathlib import Path
+
+    full, other = Path(sys.argv[1]), Path(sys.argv[2])
+
+    def attempt(fn):
+        try:
+            fn()
+            return "ok"
+        except OSError as e:
+            return errno.errorcode[e.errno]
+
+    def appended(path):
+        with open(path, "a") as f:
+            f.write("x\\n")
+
+    def raw(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"abc")
+        finally:
+            os.close(fd)
+
+    def synced(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    out = {}
+    for name, where in (("full", full), ("other", other)):
+        out[name] = {"write_text": attempt(lambda: (where / "stats.json").write_text("{}")),
+                     "append": attempt(lambda: appended(where / "trace.jsonl")),
+                     "os_write": attempt(lambda: raw(where / "raw.bin")),
+                     "fsync": attempt(lambda: synced(where / "raw.bin"))}
+    print(json.dumps(out))
+""")
+
+# argv: matched file, unmatched file, O_DIRECT (0/1). Prints the lengths each call returned.
+SHORT_SCRIPT = textwrap.dedent("""
+    import json, mmap, os, sys
+
+    matched, other, direct = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    want = open(matched, "rb").read()
+    fd = os.open(matched, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    ofd = os.open(other, os.O_RDONLY)
+    buf = mmap.mmap(-1, len(want))  # page-aligned, as O_DIRECT needs
+    view = memoryview(buf)
+
+    def pread(n, offset):  # os.pread's own buffer is not aligned: read into the mapping
+        got = os.preadv(fd, [view[:n]], offset) if direct else None
+        return bytes(buf[:got]) if direct else os.pread(fd, n, offset)
+
+    out = {"pread": [], "preadv": [], "prefix_ok": True, "other": [],
+           "one_byte": None if direct else len(os.pread(fd, 1, 0))}
+    for _ in range(50):
+        got = pread(len(want), 0)
+        out["pread"].append(len(got))
+        out["prefix_ok"] &= got == want[:len(got)]
+        n = os.preadv(fd, [view[:4096], view[4096:]], 0)
+        out["preadv"].append(n)
+        out["prefix_ok"] &= bytes(buf[:n]) == want[:n]
+        out["other"].append(len(os.pread(ofd, len(want), 0)))
+    # Read again until done, as a reader must: the whole file, exactly.
+    got = b""
+    while len(got) < len(want):
+        got += pread(len(want) - len(got), len(got))
+    out["reread_ok"] = got == want
+    print(json.dumps(out))
+""")
+
+
+def run_preloaded(script: str, argv: list, env: dict, stats: Path) -> tuple[dict, dict]:
+    stats.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, LD_PRELOAD=str(FAULTS), ENGRAM_FAULTS_STATS_DIR=str(stats), **env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), load_soak().fault_counts(stats)
+
+
+def write_dirs(tmp_path) -> tuple[Path, Path]:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "other").mkdir()
+    return tmp_path / "full", tmp_path / "other"
+
+
+def test_writes_to_matched_files_fail_with_enospc_and_others_are_untouched(tmp_path):
+    """ENGRAM_FAULTS_WRITE_MATCH with WRITE_EVERY=1: write_text, open("a").write, os.write and
+    fsync on the matched directory's files fail with ENOSPC (counted); the same calls on another
+    directory succeed."""
+    full, other = write_dirs(tmp_path)
+    out, counts = run_preloaded(WRITE_SCRIPT, [full, other], {"ENGRAM_FAULTS_WRITE_MATCH": f"{full}/",
+                                                              "ENGRAM_FAULTS_WRITE_EVERY": "1"}, tmp_path / "stats")
+    assert out["full"] == {"write_text": "ENOSPC", "append": "ENOSPC", "os_write": "ENOSPC", "fsync": "ENOSPC"}
+    assert out["other"] == {"write_text": "ok", "append": "ok", "os_write": "ok", "fsync": "ok"}
+    assert counts["enospc_injected"] >= 4 and counts["enospc_bursts"] == counts["enospc_injected"], counts
+    assert counts["write_calls"] == counts["enospc_injected"], counts
+    assert (other / "stats.json").read_text() == "{}" and (other / "raw.bin").read_bytes() == b"abc"
+
+
+def test_without_a_write_match_no_write_fails(tmp_path):
+    """The negative control: the same schedule without ENGRAM_FAULTS_WRITE_MATCH fails nothing
+    (writes are off unless asked for, whatever the read match)."""
+    full, other = write_dirs(tmp_path)
+    out, counts = run_preloaded(WRITE_SCRIPT, [full, other], {"ENGRAM_FAULTS_WRITE_EVERY": "1",
+                                                              "ENGRAM_FAULTS_MATCH": "full"}, tmp_path / "stats")
+    assert set(out["full"].values()) == {"ok"} and set(out["other"].values()) == {"ok"}
+    assert counts.get("enospc_injected", 0) == 0
+
+
+def test_an_enospc_burst_counts_matched_writes(tmp_path):
+    """WRITE_EVERY=4, WRITE_BURST=2: the 4th and 5th matched calls fail (the write_text of the
+    second directory pass is not matched, so it never moves the count)."""
+    full, other = write_dirs(tmp_path)
+    out, counts = run_preloaded(WRITE_SCRIPT, [full, other], {"ENGRAM_FAULTS_WRITE_MATCH": f"{full}/",
+                                                              "ENGRAM_FAULTS_WRITE_EVERY": "4",
+                                                              "ENGRAM_FAULTS_WRITE_BURST": "2"}, tmp_path / "stats")
+    # write_text: 1 write; append: 1 write (at close); os_write: 1; fsync: 1 -> the 4th call fails.
+    assert out["full"] == {"write_text": "ok", "append": "ok", "os_write": "ok", "fsync": "ENOSPC"}, out
+    assert set(out["other"].values()) == {"ok"}
+    assert counts["enospc_bursts"] == 1 and counts["enospc_injected"] == 1 and counts["write_calls"] == 4, counts
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_short_reads_return_a_prefix_of_what_was_read(tmp_path, direct):
+    """SHORT_EVERY=1: every matched pread/preadv of more than one byte (O_DIRECT: more than a
+    page) returns a random shorter prefix (>= 1 byte; O_DIRECT: whole pages) of the file's bytes;
+    reading again until done gets the whole file exactly; an unmatched file reads whole."""
+    data = os.urandom(3 * 4096)
+    (tmp_path / "layer-0.rows").write_bytes(data)
+    (tmp_path / "other.bin").write_bytes(data)
+    out, counts = run_preloaded(SHORT_SCRIPT, [tmp_path / "layer-0.rows", tmp_path / "other.bin", int(direct)],
+                                {"ENGRAM_FAULTS_SHORT_EVERY": "1"}, tmp_path / "stats")
+    lengths = out["pread"] + out["preadv"]
+    assert all(1 <= n < len(data) for n in lengths), lengths
+    assert len(set(lengths)) > 1 and out["prefix_ok"] and out["reread_ok"]
+    if direct:
+        assert all(n % 4096 == 0 for n in lengths), lengths
+    assert out["other"] == [len(data)] * 50
+    assert out["one_byte"] == (None if direct else 1)
+    assert counts["short_reads"] >= 100 and counts["eio_injected"] == 0, counts
+
+
+def test_without_a_short_schedule_reads_are_whole(tmp_path):
+    """The negative control: the same reads with the library loaded but no short schedule."""
+    data = os.urandom(3 * 4096)
+    (tmp_path / "layer-0.rows").write_bytes(data)
+    (tmp_path / "other.bin").write_bytes(data)
+    out, counts = run_preloaded(SHORT_SCRIPT, [tmp_path / "layer-0.rows", tmp_path / "other.bin", 0], {},
+                                tmp_path / "stats")
+    assert out["pread"] == out["preadv"] == [len(data)] * 50
+    assert counts.get("short_reads", 0) == 0 and counts["pread_calls"] >= 100, counts
+
+
 # ------------------------------------------------------------------ the soak itself
 @pytest.mark.slow
 def test_token_check_finds_a_wrong_token():
@@ -167,15 +325,17 @@ def test_token_check_finds_a_wrong_token():
 @pytest.mark.slow
 def test_short_soak_on_real_sglang_serves_exactly_under_absorbed_faults(tmp_path):
     """bench/soak.py for 20 s: 32 streaming clients (some disconnect, some abort) against the
-    disk tier with EIO bursts and 50 ms stalls below the reader. Faults were injected, no
-    request failed, every received token is the reference's, the server still serves, and
-    its open fds and shared memory do not grow."""
+    disk tier with EIO bursts and 50 ms stalls below the reader, and one out-of-range token id
+    request (the other side classes start processes: left to `make soak`). Faults were
+    injected, no request failed, every received token is the reference's, the bad id got HTTP
+    400, the server still serves, and its open fds and shared memory do not grow."""
     from tests.support.demo_support import demo_dir
 
     proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "0.33", "--placements",
                            "disk", "--pool", "12", "--warmup", "4", "--sample-s", "1", "--model-dir", str(demo_dir()),
                            "--workdir", str(tmp_path / "work"), "--out", str(tmp_path), "--eio-gap-ms", "300",
-                           "--stall-prob", "0.02"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--stall-prob", "0.02", "--classes", "badid"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads((tmp_path / "soak.json").read_text())
     s = report["summary"][0]
@@ -185,4 +345,7 @@ def test_short_soak_on_real_sglang_serves_exactly_under_absorbed_faults(tmp_path
     assert s["failed"] == 0 and s["lost"] == 0 and s["wrong_outside_failed"] == 0 and s["wrong_in_failed"] == 0, s
     assert s["tokens"] > 100 and s["served_after"] and s["contained"], s
     assert s["growth"]["fds"] <= 2 and abs(s["growth"]["shm_mib"]) < 1, s
+    # One out-of-range id request (10 s in): HTTP 400, and the known prompt after it served.
+    assert s["bad_id_requests"] == 1 and s["bad_id_400"] == 1 and s["served_after_bad_id"] == 1, s
+    assert s["held"] == {"enospc": None, "badid": True, "short": None, "lock": None}, s
     assert proc.returncode == 0, proc.stdout[-2000:]
