@@ -232,3 +232,93 @@ def test_the_keep_setting_reaches_the_store_options():
     env = {"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "on"}
     assert ServeSettings.from_env({**env, "ENGRAM_HOST_KEEP": "on"}).store_options()["keep"] is True
     assert "keep" not in ServeSettings.from_env(env).store_options()  # off: open_store's default
+
+
+# --------------------------------------------------------- waits on a copy's lock (issue 22 item 4)
+LOCKER = """
+    import os, sys, time
+    from pathlib import Path
+    from engram_sglang.core.stores import shmcopy
+    fd = shmcopy.lock(Path({copy!r}))
+    print("locked", flush=True)
+    if {beat_for}:  # a holder at work: beats as a fill does, then leaves
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < {beat_for}:
+            os.utime(fd)
+            time.sleep(0.05)
+    else:
+        sys.stdin.readline()
+    os.close(fd)
+"""
+
+
+def _locker(copy: Path, beat_for: float = 0) -> subprocess.Popen:
+    code = textwrap.dedent(LOCKER).format(copy=str(copy), beat_for=beat_for)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+class _Unbounded(Exception):
+    pass
+
+
+@pytest.fixture
+def bounded():
+    """Fail (instead of hanging the suite) where a wait has no bound of its own."""
+    def expire(*_):
+        raise _Unbounded("the wait had no bound")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def short_waits(monkeypatch):
+    from engram_sglang.core.stores import shmcopy
+
+    monkeypatch.setattr(shmcopy, "LOCK_LOG_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(shmcopy, "LOCK_STALL_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(shmcopy, "LOCK_POLL_SECONDS", 0.02, raising=False)
+    return shmcopy
+
+
+def test_a_wait_behind_a_frozen_lock_holder_says_who_and_gives_up(tmp_path, short_waits, bounded, caplog,
+                                                                    monkeypatch):
+    import threading
+
+    copy = tmp_path / "engram-0123456789abcdef-layer1.rows"
+    holder = _locker(copy)
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger=short_waits.__name__):
+            with pytest.raises(EngramError, match=rf"^{copy}\.lock: held by process {holder.pid} \(stopped\) with no "
+                                                  rf"sign of progress for 1 s .*resume it \(kill -CONT\) or stop it"):
+                short_waits.lock(copy)
+        waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+        assert waits and all(f"{copy}.lock (the shared copy {copy}), held by process {holder.pid} (stopped)" in w
+                             for w in waits), caplog.text
+        # Resumed, it leaves, and the wait proceeds.
+        monkeypatch.setattr(short_waits, "LOCK_STALL_SECONDS", 15.0)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        threading.Timer(0.5, os.kill, (holder.pid, signal.SIGCONT)).start()
+        fd = short_waits.lock(copy)
+        os.close(fd)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_a_holder_that_beats_is_waited_for_past_the_bound(tmp_path, short_waits, bounded):
+    copy = tmp_path / "engram-0123456789abcdef-layer1.rows"
+    holder = _locker(copy, beat_for=2.5)  # 2.5 x the bound, beating as a fill does
+    try:
+        os.close(short_waits.lock(copy))
+    finally:
+        holder.wait(timeout=30)

@@ -9,29 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
-from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, scan, sidecars
+from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, lock_holders, scan, sidecars
 
 
 def holders(path: Path) -> Optional[list[int]]:
     """PIDs holding a copy (its `.users` flocks, from /proc/locks); None when that is unknown."""
-    users = sidecars(path)[1]
-    try:
-        st = os.lstat(users)
-    except FileNotFoundError:
-        return []
-    try:
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    pids = []
-    for line in text.splitlines():
-        f = line.split()
-        if "->" in f:  # a waiter, not a holder
-            continue
-        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev:
-            pids.append(int(f[4]))
-    return sorted(set(pids))
+    return lock_holders(sidecars(path)[1])
 
 
 def list_copies(directory: Path) -> list[dict]:

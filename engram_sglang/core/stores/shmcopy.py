@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import glob
 import logging
 import mmap
 import os
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 NAME = re.compile(r"^engram-(?P<identity>[0-9a-f]{16})(?:-(?P<numa>node\d+|interleave))?-layer(?P<layer>\d+)\.rows$")
 _TMP = re.compile(r"^(engram-[0-9a-f]{16}(?:-(?:node\d+|interleave))?-layer\d+\.rows)\.tmp\.(\d+)$")
 PROGRESS_SECONDS = 5.0
+_ALLOCATE_STEP = 1 << 30
 
 
 def identity(layer_id: int, rows: int, chunk_rows: int, checksums: tuple[str, ...]) -> str:
@@ -144,18 +146,122 @@ def _same_file(fd: int, path: Path) -> bool:
 def lock(path: Path, blocking: bool = True) -> Optional[int]:
     """Hold the copy's `.lock` (exclusive); None when not blocking and someone holds it. The
     last server to leave unlinks the lock file while it holds it: a lock won on an unlinked
-    file guards nothing, so it is taken again on the file the name now holds."""
+    file guards nothing, so it is taken again on the file the name now holds. A blocking
+    wait is `wait_flock`'s: a line every LOCK_LOG_SECONDS, a bound on a holder that stalls."""
     lock_path = sidecars(path)[0]
     while True:
         fd = _open(lock_path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
+            if not _try_exclusive(fd):
+                if not blocking:
+                    os.close(fd)
+                    return None
+                wait_flock(fd, fcntl.LOCK_EX, lock_path, path)
+        except BaseException:
             os.close(fd)
-            return None
+            raise
         if _same_file(fd, lock_path):
             return fd
         os.close(fd)
+
+
+# A wait for a flock held by another process: one WARNING every LOCK_LOG_SECONDS (what, which
+# PIDs), given up after LOCK_STALL_SECONDS without a sign of progress from the holder. Progress
+# is any change of the lock file's mtime (a filler or checker beats every PROGRESS_SECONDS), of
+# the copy's `.tmp.PID` files (allocated in steps) or of the holders' CPU time: a legitimate
+# fill of any size never gives up, a frozen holder (SIGSTOP, cgroup freezer, `docker pause`, D
+# state on a hung mount) fails start-up in 5 minutes: 60 missed beats, far above a slow chunk
+# read or page reclaim, and short enough that a stuck node is noticed.
+LOCK_LOG_SECONDS = 10.0
+LOCK_STALL_SECONDS = 300.0
+LOCK_POLL_SECONDS = 0.1
+
+
+def wait_flock(fd: int, op: int, lock_path: Path, copy: Path) -> None:
+    """Take flock `op` on fd by LOCK_NB polling (no thread), logging and bounded as above."""
+    t0 = last_log = last_progress = time.monotonic()
+    seen = None
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        pids = lock_holders(lock_path)
+        mark = _progress_mark(lock_path, copy, pids)
+        if mark != seen:
+            seen, last_progress = mark, now
+        if now - last_progress >= LOCK_STALL_SECONDS:
+            raise EngramError(f"{lock_path}: held by {_describe(pids)} with no sign of progress for "
+                              f"{now - last_progress:.0f} s (frozen, stopped or stuck on a hung mount?); resume it "
+                              f"(kill -CONT) or stop it, then start again")
+        if now - last_log >= LOCK_LOG_SECONDS:
+            last_log = now
+            logger.warning("engram: waiting %.0f s for %s (the shared copy %s), held by %s; giving up after %.0f s "
+                           "without progress", now - t0, lock_path, copy, _describe(pids), LOCK_STALL_SECONDS)
+        time.sleep(LOCK_POLL_SECONDS)
+
+
+def lock_holders(file: Path) -> Optional[list[int]]:
+    """PIDs holding a flock on `file` (from /proc/locks; waiters excluded); None when that
+    is unknown (/proc/locks unreadable), [] when the file does not exist or nobody holds it."""
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError:
+        return []
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in text.splitlines():
+        f = line.split()
+        if "->" in f:  # a waiter, not a holder
+            continue
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev:
+            pids.append(int(f[4]))
+    return sorted(set(pids))
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat's fields after the command name (state first), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+_STATES = {"T": "stopped", "t": "stopped (traced)", "D": "in uninterruptible I/O", "Z": "exiting"}
+
+
+def _describe(pids: Optional[list[int]]) -> str:
+    if not pids:
+        return "a process /proc/locks does not show (another PID namespace?)"
+    parts = []
+    for pid in pids:
+        f = _proc_stat(pid)
+        state = _STATES.get(f[0], "running") if f else "gone"
+        parts.append(f"{pid} ({state})")
+    return f"process{'es' if len(pids) > 1 else ''} {', '.join(parts)}"
+
+
+def _progress_mark(lock_path: Path, copy: Path, pids: Optional[list[int]]) -> tuple:
+    """What changes while the holder works: see LOCK_STALL_SECONDS."""
+    files = []
+    for p in (lock_path, *copy.parent.glob(f"{glob.escape(copy.name)}.tmp.*")):
+        try:
+            st = os.lstat(p)
+            files.append((p.name, st.st_size, st.st_blocks, st.st_mtime_ns))
+        except OSError:
+            continue
+    cpu = []
+    for pid in pids or ():
+        f = _proc_stat(pid)
+        cpu.append((pid, f[11:13] if f else None))  # utime, stime
+    return tuple(files), tuple(cpu)
 
 
 def _try_exclusive(fd: int) -> bool:
@@ -236,12 +342,15 @@ def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]
 class _Progress:
     """Log lines (every PROGRESS_SECONDS) of bytes done and the rate: 189 GiB takes minutes."""
 
-    def __init__(self, what: str, total: int):
-        self.what, self.total = what, total
-        self.t0 = self.last = time.monotonic()
+    def __init__(self, what: str, total: int, beat: Optional[Callable[[], None]] = None):
+        self.what, self.total, self.beat = what, total, beat
+        self.t0 = self.last = self.last_beat = time.monotonic()
 
     def __call__(self, done: int) -> None:
         now = time.monotonic()
+        if self.beat is not None and now - self.last_beat >= 1.0:  # waiters see progress (wait_flock)
+            self.last_beat = now
+            self.beat()
         if now - self.last >= PROGRESS_SECONDS:
             self.last = now
             logger.info("engram: %s: %.2f of %.2f GiB (%.0f%%), %.2f GiB/s", self.what, done / 2**30,
@@ -292,12 +401,13 @@ class SharedCopy:
         self._flags = os.O_RDONLY if read_only else os.O_RDWR
         check_kinds(self.path)
         lock_fd = lock(self.path)
+        self._beat = lambda: os.utime(lock_fd)
         try:
             reclaim_leftovers(spec.directory, self.path)
             users = _open(sidecars(self.path)[1], os.O_RDWR | os.O_CREAT)
             try:
                 self.map, self.how = self._open_or_fill(users, fill, advise)
-                fcntl.flock(users, fcntl.LOCK_SH)  # held while mapped (exclusive after a check: downgraded)
+                wait_flock(users, fcntl.LOCK_SH, sidecars(self.path)[1], self.path)  # held while mapped (exclusive after a check: downgraded)
                 fd = _open(self.path, os.O_RDONLY)
                 try:
                     st = os.fstat(fd)
@@ -335,7 +445,7 @@ class SharedCopy:
                     advise(m)
                     if in_use:  # checked or filled by the running server that holds it
                         return m, "mapped (in use by a running server)"
-                    progress = _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes)
+                    progress = _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes, self._beat)
                     chunk = verify(m, self.spec, progress)
                     if chunk is None:
                         progress.done()
@@ -362,7 +472,9 @@ class SharedCopy:
                 # later mapping get pages by it.
                 numa.bind(writable, self.spec.binding)
                 try:  # all pages now, so a full /dev/shm or NUMA node fails here, not in a page fault
-                    os.posix_fallocate(fd, 0, nbytes)
+                    for lo in range(0, nbytes, _ALLOCATE_STEP):  # in steps: waiters see the file grow
+                        os.posix_fallocate(fd, lo, min(_ALLOCATE_STEP, nbytes - lo))
+                        self._beat()
                 except OSError as e:
                     if e.errno == errno.ENOSPC:
                         raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
@@ -371,7 +483,7 @@ class SharedCopy:
                                           f"{self.spec.binding.describe() if self.spec.binding else 'this host'}; "
                                           f"free memory or choose --engram-host-numa interleave") from None
                     raise
-                progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes)
+                progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes, self._beat)
                 fill(writable, progress)
                 progress.done()
             finally:
