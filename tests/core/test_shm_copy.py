@@ -322,3 +322,53 @@ def test_a_holder_that_beats_is_waited_for_past_the_bound(tmp_path, short_waits,
         os.close(short_waits.lock(copy))
     finally:
         holder.wait(timeout=30)
+
+
+# ------------------------------------------------- a fill interrupted by a signal (issue 22 item 6)
+SLOW_FILLER = """
+    import time
+    from engram_sglang.core.stores import hostmem, open_store, shmcopy
+    from tests.support.tables import small_config
+    hostmem._FILL_CHUNK = 4096  # many chunks, each a little slow
+    beat = shmcopy._Progress.__call__
+    def slow(self, done):
+        if done == 4096:
+            print("filling", flush=True)
+        time.sleep(0.01)
+        beat(self, done)
+    shmcopy._Progress.__call__ = slow
+    open_store({table_dir!r}, "host", cfg=small_config(200, layer_ids=(1,), n_heads=2), shared=True, shm_dir={shm!r})
+    print("filled", flush=True)
+"""
+
+
+def _slow_filler(table_dir, shm) -> subprocess.Popen:
+    code = textwrap.dedent(SLOW_FILLER).format(table_dir=str(table_dir), shm=str(shm))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "filling"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_fill_interrupted_by_a_signal_leaves_nothing_and_dies_by_it(tables, tmp_path, sig):
+    dir_a, _, _, _ = tables
+    proc = _slow_filler(dir_a, tmp_path)
+    assert any(".tmp." in p.name for p in tmp_path.iterdir())
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == -sig, "did not die by the signal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_failed_open_leaves_no_sidecars(tables, tmp_path, monkeypatch):
+    from engram_sglang.core.stores import hostmem
+
+    dir_a, _, _, _ = tables
+
+    def broken(*a, **kw):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(hostmem, "_fill", broken)
+    with pytest.raises(OSError):
+        _open(dir_a, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -23,6 +23,7 @@ Start-up fills or checks under `NAME.lock`: the first rank works while the other
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import glob
@@ -30,6 +31,7 @@ import logging
 import mmap
 import os
 import re
+import signal
 import stat
 import threading
 import time
@@ -339,6 +341,74 @@ def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]
     return removed
 
 
+def _drop_orphan_sidecars(path: Path, lock_fd: int) -> None:
+    """After a failed open, under the lock: remove `.users` and `.lock` when no copy is there
+    and no server holds it (a failed open must leave nothing behind); never raises."""
+    lock_path, users_path = sidecars(path)
+    try:
+        if os.path.lexists(path):
+            return
+        try:
+            users = _open(users_path, os.O_RDWR)
+        except FileNotFoundError:
+            users = None
+        if users is not None:
+            try:
+                if not _try_exclusive(users):
+                    return
+                users_path.unlink(missing_ok=True)
+            finally:
+                os.close(users)
+        if _same_file(lock_fd, lock_path):
+            lock_path.unlink(missing_ok=True)  # while held: see lock()
+    except (OSError, EngramError):
+        logger.debug("engram: leaving the sidecars of %s", path, exc_info=True)
+
+
+class _Interrupted(BaseException):
+    """A terminating signal during a fill or check, raised so that the cleanup runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+_UNWOUND_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _unwind_on_signals():
+    """SIGTERM/SIGINT/SIGHUP whose action is the default (killing Python without unwinding)
+    raise inside the block instead, so that its cleanup removes the fill's `.tmp.PID` and the
+    sidecars; then the default action is taken again: the process dies with the signal's usual
+    status. A Python handler (SIGINT's KeyboardInterrupt, SGLang's own) and an ignored signal
+    are left as they are. Python handlers exist only in the main thread: elsewhere a signal
+    kills the process as before and the next start or `shm prune` reclaims what it left."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def handler(signum, frame):
+        if not got:  # once: the cleanup itself is not interrupted again
+            got.append(signum)
+            raise _Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in _UNWOUND_SIGNALS}
+    installed = [s for s, h in previous.items() if h is signal.SIG_DFL]
+    for s in installed:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s in installed:
+            signal.signal(s, previous[s])
+        if got:
+            logger.warning("engram: %s during the shared copy's fill or check: removed what it left; exiting",
+                           signal.Signals(got[0]).name)
+            signal.raise_signal(got[0])  # the default action, now restored
+
+
 class _Progress:
     """Log lines (every PROGRESS_SECONDS) of bytes done and the rate: 189 GiB takes minutes."""
 
@@ -400,14 +470,22 @@ class SharedCopy:
         self._prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
         self._flags = os.O_RDONLY if read_only else os.O_RDWR
         check_kinds(self.path)
+        with _unwind_on_signals():
+            self._open_under_lock(fill, advise)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
+        logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
+
+    def _open_under_lock(self, fill, advise) -> None:
         lock_fd = lock(self.path)
         self._beat = lambda: os.utime(lock_fd)
         try:
-            reclaim_leftovers(spec.directory, self.path)
+            reclaim_leftovers(self.spec.directory, self.path)
             users = _open(sidecars(self.path)[1], os.O_RDWR | os.O_CREAT)
             try:
                 self.map, self.how = self._open_or_fill(users, fill, advise)
-                wait_flock(users, fcntl.LOCK_SH, sidecars(self.path)[1], self.path)  # held while mapped (exclusive after a check: downgraded)
+                # held while mapped (exclusive after a check: downgraded)
+                wait_flock(users, fcntl.LOCK_SH, sidecars(self.path)[1], self.path)
                 fd = _open(self.path, os.O_RDONLY)
                 try:
                     st = os.fstat(fd)
@@ -418,11 +496,11 @@ class SharedCopy:
                 os.close(users)
                 raise
             self._users = users
+        except BaseException:
+            _drop_orphan_sidecars(self.path, lock_fd)
+            raise
         finally:
             os.close(lock_fd)
-        with _OPEN_LOCK:
-            _OPEN.add(self)
-        logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
 
     def _open_or_fill(self, users: int, fill, advise) -> tuple[mmap.mmap, str]:
         path, nbytes = self.path, self.nbytes
