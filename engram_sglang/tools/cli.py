@@ -64,7 +64,10 @@ def _cmd_shm_ls(args) -> int:
         return 0
     print(f"{'name':<56} {'GiB':>9} {'layer':>5} {'numa':<10} {'identity':<16}  holders")
     for e in entries:
-        if "filler" in e:
+        if "sidecar" in e:
+            who = (f"{e['sidecar']} sidecar, no copy: " + (f"held by pids {', '.join(map(str, e['holders']))}"
+                                                            if e["holders"] else "nobody holds it (shm rm or prune)"))
+        elif "filler" in e:
             who = f"leftover of a fill (process {e['filler']} {'alive' if e['filler_alive'] else 'gone'})"
         elif e["holders"] is None:
             who = "unknown (/proc/locks unreadable)"

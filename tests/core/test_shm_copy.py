@@ -128,7 +128,8 @@ def test_a_crashed_fillers_leftover_is_reclaimed(tables, tmp_path):
     from engram_sglang.core.stores.shmadmin import list_copies
 
     # `shm ls` lists them, by the same directory scan the reclaim walks (shmcopy.scan).
-    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path)}
+    # (the removed copy's sidecars are listed too, as sidecars without a copy)
+    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path) if "filler" in e}
     assert listed == {p.name: (pid, False, 1) for p in leftovers}
     store = _open(dir_a, tmp_path)
     assert np.array_equal(_served(store), rows_a)
@@ -372,3 +373,38 @@ def test_a_failed_open_leaves_no_sidecars(tables, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         _open(dir_a, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ------------------------------------ sidecars without a copy, odd things at a copy's name (item 7)
+def test_shm_ls_lists_and_rm_removes_sidecars_without_a_copy(tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    name = "engram-0123456789abcdef-layer1.rows"
+    for suffix in (".lock", ".users"):  # as a failed open of an older version left them
+        (tmp_path / f"{name}{suffix}").touch(mode=0o600)
+    assert main(["shm", "ls", "--shm-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for suffix in ("lock", "users"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"{name}.{suffix}"))
+        assert line.endswith(f"{suffix} sidecar, no copy: nobody holds it (shm rm or prune)"), line
+    held = _locker(tmp_path / name)  # a fill in progress holds the lock: refused
+    try:
+        assert main(["shm", "rm", "--shm-dir", str(tmp_path), f"{name}.lock"]) == 2
+        err = capsys.readouterr().err
+        assert f"held by a server filling or opening the copy (processes {held.pid})" in err and len(err.splitlines()) == 1
+    finally:
+        held.stdin.close()
+        held.wait(timeout=30)
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), f"{name}.lock", f"{name}.users"]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shm_rm_of_a_directory_named_like_a_copy_is_one_line(tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    name = "engram-0123456789abcdef-layer1.rows"
+    (tmp_path / name).mkdir()
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / name}: is a directory, not a shared copy" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "left a new .lock"
