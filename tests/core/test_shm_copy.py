@@ -408,3 +408,61 @@ def test_shm_rm_of_a_directory_named_like_a_copy_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path / name}: is a directory, not a shared copy" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [name], "left a new .lock"
+
+
+# ------------------------------------------------------------- shm prune (issue 25 item 4)
+def _names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_shm_prune_removes_what_no_process_uses(tables, tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    dir_a, _, dir_b, _ = tables
+    held = _holder(dir_a, tmp_path)  # A's copy: in use, never pruned
+    try:
+        in_use = _names(tmp_path)
+        killed = _slow_filler(dir_b, tmp_path)  # SIGKILL mid-fill: B's .tmp.PID and sidecars stay
+        killed.kill()
+        killed.wait(timeout=60)
+        (tmp_path / "engram-0123456789abcdef-layer1.rows.users").touch(mode=0o600)
+        left = sorted(set(_names(tmp_path)) - set(in_use))
+        assert len(left) == 4 and any(f".tmp.{killed.pid}" in n for n in left), left
+        args = ["shm", "prune", "--shm-dir", str(tmp_path)]
+        assert main([*args, "--dry-run"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert sorted(ln.split()[2].rsplit("/", 1)[1] for ln in out[:-1]) == left and _names(tmp_path) == sorted(
+            in_use + left)
+        assert out[-1].startswith(f"{tmp_path}: would prune 4 file(s), ")
+        assert main(args) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [ln.split()[0] for ln in out[:-1]] == ["removed"] * 4 and f"(process {killed.pid} is gone)" in "".join(out)
+        assert _names(tmp_path) == in_use
+    finally:
+        held.stdin.close()
+        held.wait(timeout=60)
+
+
+def test_shm_prune_by_age_and_by_table_version(tables, tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    dir_a, _, dir_b, _ = tables
+    for d in (dir_a, dir_b):  # kept copies no server holds
+        _open(d, tmp_path, keep=True).close()
+    (copy_a,) = [p for p in _copies(tmp_path) if p.name.split("-")[1] == _open_name(dir_a)]
+    args = ["shm", "prune", "--shm-dir", str(tmp_path)]
+    assert main([*args, "--older-than", "1d"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("pruned 0 file(s), 0.000 GiB") and len(_copies(tmp_path)) == 2
+    assert main([*args, "--table-dir", str(dir_a)]) == 0  # B holds another version of A's layer 1
+    out = capsys.readouterr().out
+    assert "another version of layer 1 than the table directory's" in out and _copies(tmp_path) == [copy_a]
+    assert main(args) == 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit, match="2"):  # argparse's one line
+        main([*args, "--older-than", "soon"])
+
+
+def _open_name(table_dir) -> str:
+    from engram_sglang.core.stores.shmadmin import table_identities
+
+    return table_identities(table_dir)[1]

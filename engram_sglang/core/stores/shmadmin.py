@@ -114,3 +114,95 @@ def _remove_sidecar(path: Path, st: os.stat_result, force: bool) -> int:
     finally:
         os.close(fd)
     return st.st_size
+
+
+def table_identities(table_dir: Path) -> dict[int, str]:
+    """Layer id -> the identity its shared copy is named by, for the tables in `table_dir`."""
+    from ..tablefile import read_manifest
+    from .shmcopy import identity
+
+    manifest, layers = read_manifest(table_dir)
+    chunk_rows = int(manifest["chunk_rows"])
+    return {L: identity(L, info.rows, chunk_rows, tuple(info.checksums)) for L, info in layers.items()}
+
+
+def _unheld(file: Path) -> bool:
+    """Nobody holds a flock on `file` (missing: nobody); the probe's own lock goes with its fd."""
+    try:
+        fd = _open(file, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    except EngramError:  # not a 0600 file of this user: not ours to judge (`shm rm` says why)
+        return False
+    try:
+        return _try_exclusive(fd)
+    finally:
+        os.close(fd)
+
+
+def prune(directory: Path, *, older_than: Optional[float] = None, current: Optional[dict[int, str]] = None,
+          dry_run: bool = False, now: Optional[float] = None) -> list[tuple[Path, int, str]]:
+    """Remove what no process uses: copies nobody holds (no flock on `.users`, none on `.lock`)
+    that match the selection, fills of dead processes, sidecars without a copy nobody holds.
+    The selection of copies: all, or with `older_than` (seconds since the fill) and/or
+    `current` (layer -> identity of a table directory: another version of its layers) those
+    matching either. Returns (path, bytes, why) of each removal (of each it would make when
+    `dry_run`); copies in use are never touched."""
+    import time
+
+    now = time.time() if now is None else now
+    out = []
+    for p, st, match in scan(directory, NAME, _TMP, SIDECAR):
+        if not stat.S_ISREG(st.st_mode):
+            continue  # `shm rm` says what to do with it
+        why = None
+        if match.re is _TMP:
+            pid = int(match.group(2))
+            if not _pid_alive(pid):
+                why = f"a fill that did not finish (process {pid} is gone)"
+        elif match.re is SIDECAR:
+            if not os.path.lexists(directory / p.name[: -len(match["sidecar"]) - 1]) and _unheld(p):
+                why = f"a {match['sidecar']} sidecar without a copy"
+        else:
+            why = _copy_selected(match, st, older_than, current, now)
+            if why is not None and not (_unheld(sidecars(p)[1]) and _unheld(sidecars(p)[0])):
+                why = None  # a server holds it, or is opening or checking it
+        if why is None:
+            continue
+        if not dry_run and not _prune_one(p, match):
+            continue
+        out.append((p, st.st_size, why))
+    return out
+
+
+def _copy_selected(match: re.Match, st: os.stat_result, older_than, current, now) -> Optional[str]:
+    if older_than is None and current is None:
+        return "no server holds it"
+    layer = int(match["layer"])
+    if current is not None and layer in current and match["identity"] != current[layer]:
+        return f"no server holds it, another version of layer {layer} than the table directory's"
+    if older_than is not None and now - st.st_mtime >= older_than:
+        return f"no server holds it, filled {(now - st.st_mtime) / 3600:.1f} h ago"
+    return None
+
+
+def _prune_one(p: Path, match: re.Match) -> bool:
+    """Remove one entry prune chose, checked again under the copy's lock for a copy."""
+    if match.re is not NAME:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+    lock_fd = lock(p, blocking=False)
+    if lock_fd is None:
+        return False
+    try:
+        if not _unheld(sidecars(p)[1]):
+            return False
+        p.unlink(missing_ok=True)
+        sidecars(p)[1].unlink(missing_ok=True)
+        sidecars(p)[0].unlink(missing_ok=True)  # while held: see shmcopy.lock()
+    finally:
+        os.close(lock_fd)
+    return True
