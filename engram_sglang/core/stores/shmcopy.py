@@ -17,7 +17,9 @@ Trusted on its content, not on its name and size:
 * reference counted by shared flocks on `NAME.users` (the kernel drops those of a dead
   process): the last server to close its store removes the copy unless told to keep it.
 
-Start-up fills or checks under `NAME.lock`: the first rank works while the others wait.
+Start-up fills or checks under `NAME.lock`: the first rank works while the others wait, with
+a line every LOCK_LOG_SECONDS naming the holder, given up when it stalls (wait_flock). A
+SIGTERM/SIGHUP during it unwinds the cleanup first (_unwind_on_signals).
 """
 
 from __future__ import annotations
