@@ -466,3 +466,21 @@ def _open_name(table_dir) -> str:
     from engram_sglang.core.stores.shmadmin import table_identities
 
     return table_identities(table_dir)[1]
+
+
+def test_a_leftover_whose_pid_now_names_a_later_process_is_reclaimed(tmp_path, monkeypatch):
+    import time
+
+    from engram_sglang.core.stores import shmcopy
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp = tmp_path / f"engram-0123456789abcdef-layer1.rows.tmp.{sleeper.pid}"
+        tmp.touch(mode=0o600)
+        assert shmcopy.reclaim_leftovers(tmp_path) == [] and tmp.exists()  # its filler may be at work
+        # The PID reused (a container restarted): the process holding it started after the file.
+        monkeypatch.setattr(shmcopy, "_started_at", lambda pid: time.time() + 60, raising=False)
+        assert shmcopy.reclaim_leftovers(tmp_path) == [tmp] and not tmp.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

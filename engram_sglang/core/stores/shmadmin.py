@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
-from .shmcopy import _TMP, NAME, _open, _pid_alive, _try_exclusive, lock, lock_holders, scan, sidecars
+from .shmcopy import _TMP, NAME, _open, _try_exclusive, filler_alive, lock, lock_holders, scan, sidecars
 
 
 def holders(path: Path) -> Optional[list[int]]:
@@ -44,7 +44,7 @@ def list_copies(directory: Path) -> list[dict]:
             entry.update(holders=holders(p))
         else:
             pid = int(t.group(2))
-            entry.update(filler=pid, filler_alive=_pid_alive(pid))
+            entry.update(filler=pid, filler_alive=filler_alive(pid, st))
         out.append(entry)
     return out
 
@@ -69,7 +69,7 @@ def remove_copy(directory: Path, name: str, force: bool = False) -> int:
     t = _TMP.match(name)
     if t is not None:
         pid = int(t.group(2))
-        if _pid_alive(pid) and not force:
+        if filler_alive(pid, st) and not force:
             raise EngramError(f"{path}: process {pid}, which may still be filling it, is alive; pass --force to remove it")
         path.unlink()
         return st.st_size
@@ -158,7 +158,7 @@ def prune(directory: Path, *, older_than: Optional[float] = None, current: Optio
         why = None
         if match.re is _TMP:
             pid = int(match.group(2))
-            if not _pid_alive(pid):
+            if not filler_alive(pid, st):
                 why = f"a fill that did not finish (process {pid} is gone)"
         elif match.re is SIDECAR:
             if not os.path.lexists(directory / p.name[: -len(match["sidecar"]) - 1]) and _unheld(p):

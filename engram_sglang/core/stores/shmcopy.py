@@ -286,6 +286,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _started_at(pid: int) -> Optional[float]:
+    """When process `pid` started (epoch seconds), None when unknown."""
+    f = _proc_stat(pid)
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
+        return boot + int(f[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def filler_alive(pid: int, st: os.stat_result) -> bool:
+    """Whether the process that made a `.tmp.PID` (whose lstat is `st`) may still be filling
+    it: PID alive and started before the file's last inode change (its filler created and
+    sized it after starting; a later process is the PID reused, common in containers)."""
+    if not _pid_alive(pid):
+        return False
+    started = _started_at(pid)
+    return started is None or started <= st.st_ctime + 2.0  # (btime and the tick are coarse)
+
+
 def allocated_bytes(path: Path) -> int:
     """Memory already allocated to the copy at `path` and to fills of it in progress (so a
     rank deciding where its copy goes counts it as its own, not as memory used by others)."""
@@ -331,7 +351,7 @@ def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]
     for p, st, m in found:
         if st.st_uid != os.geteuid():
             continue
-        if (own is None or m.group(1) != own.name) and _pid_alive(int(m.group(2))):
+        if (own is None or m.group(1) != own.name) and filler_alive(int(m.group(2)), st):
             continue
         try:
             p.unlink()
