@@ -64,7 +64,10 @@ def _cmd_shm_ls(args) -> int:
         return 0
     print(f"{'name':<56} {'GiB':>9} {'layer':>5} {'numa':<10} {'identity':<16}  holders")
     for e in entries:
-        if "filler" in e:
+        if "sidecar" in e:
+            who = (f"{e['sidecar']} sidecar, no copy: " + (f"held by pids {', '.join(map(str, e['holders']))}"
+                                                            if e["holders"] else "nobody holds it (shm rm or prune)"))
+        elif "filler" in e:
             who = f"leftover of a fill (process {e['filler']} {'alive' if e['filler_alive'] else 'gone'})"
         elif e["holders"] is None:
             who = "unknown (/proc/locks unreadable)"
@@ -82,6 +85,35 @@ def _cmd_shm_rm(args) -> int:
         freed = remove_copy(d, name, force=args.force)
         print(f"removed {d / name} ({freed / 2**30:.3f} GiB)")
     return 0
+
+
+def _cmd_shm_prune(args) -> int:
+    from pathlib import Path
+
+    from ..core.stores.shmadmin import prune, table_identities
+
+    d = _shm_dir(args)
+    current = table_identities(Path(args.table_dir)) if args.table_dir else None
+    removed = prune(d, older_than=args.older_than, current=current, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path, nbytes, why in removed:
+        print(f"{verb} {path} ({nbytes / 2**30:.3f} GiB): {why}")
+    total = sum(n for _, n, _ in removed) / 2**30
+    print(f"{d}: {'would prune' if args.dry_run else 'pruned'} {len(removed)} file(s), {total:.3f} GiB")
+    return 0
+
+
+def _duration(text: str) -> float:
+    """Seconds from 90, 90s, 30m, 12h or 7d."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    try:
+        value = float(num) * unit
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a duration is a number with s, m, h or d (90s, 30m, 12h, 7d), got {text!r}")
+    return value
 
 
 def _cmd_demo(args) -> int:
@@ -130,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="remove it even while servers hold it (they keep their "
                    "mapping; the memory is freed when the last exits)")
     p.set_defaults(func=_cmd_shm_rm)
+    p = shm.add_parser("prune", help="remove what no process uses: unheld copies, fills of dead processes, "
+                       "sidecars without a copy")
+    p.add_argument("--shm-dir", default=shm_dir, help=f"where the copies live (default: {shm_dir})")
+    p.add_argument("--older-than", type=_duration, metavar="DURATION",
+                   help="only copies filled longer ago than this (90s, 30m, 12h, 7d)")
+    p.add_argument("--table-dir", metavar="DIR", help="only copies of this table directory's layers that hold "
+                   "another version of their rows (with --older-than: either)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    p.set_defaults(func=_cmd_shm_prune)
 
     p = sub.add_parser("demo", help="the built-in demo (what `make demo` runs)")
     p.add_argument("--workdir", default="build/demo", help="where the demo writes its files (default: build/demo)")

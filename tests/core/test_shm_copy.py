@@ -128,7 +128,8 @@ def test_a_crashed_fillers_leftover_is_reclaimed(tables, tmp_path):
     from engram_sglang.core.stores.shmadmin import list_copies
 
     # `shm ls` lists them, by the same directory scan the reclaim walks (shmcopy.scan).
-    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path)}
+    # (the removed copy's sidecars are listed too, as sidecars without a copy)
+    listed = {e["name"]: (e["filler"], e["filler_alive"], e["layer"]) for e in list_copies(tmp_path) if "filler" in e}
     assert listed == {p.name: (pid, False, 1) for p in leftovers}
     store = _open(dir_a, tmp_path)
     assert np.array_equal(_served(store), rows_a)
@@ -232,3 +233,254 @@ def test_the_keep_setting_reaches_the_store_options():
     env = {"ENGRAM_PLACEMENT": "host", "ENGRAM_HOST_SHARED": "on"}
     assert ServeSettings.from_env({**env, "ENGRAM_HOST_KEEP": "on"}).store_options()["keep"] is True
     assert "keep" not in ServeSettings.from_env(env).store_options()  # off: open_store's default
+
+
+# --------------------------------------------------------- waits on a copy's lock (issue 22 item 4)
+LOCKER = """
+    import os, sys, time
+    from pathlib import Path
+    from engram_sglang.core.stores import shmcopy
+    fd = shmcopy.lock(Path({copy!r}))
+    print("locked", flush=True)
+    if {beat_for}:  # a holder at work: beats as a fill does, then leaves
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < {beat_for}:
+            os.utime(fd)
+            time.sleep(0.05)
+    else:
+        sys.stdin.readline()
+    os.close(fd)
+"""
+
+
+def _locker(copy: Path, beat_for: float = 0) -> subprocess.Popen:
+    code = textwrap.dedent(LOCKER).format(copy=str(copy), beat_for=beat_for)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+class _Unbounded(Exception):
+    pass
+
+
+@pytest.fixture
+def bounded():
+    """Fail (instead of hanging the suite) where a wait has no bound of its own."""
+    def expire(*_):
+        raise _Unbounded("the wait had no bound")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def short_waits(monkeypatch):
+    from engram_sglang.core.stores import shmcopy
+
+    monkeypatch.setattr(shmcopy, "LOCK_LOG_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(shmcopy, "LOCK_STALL_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(shmcopy, "LOCK_POLL_SECONDS", 0.02, raising=False)
+    return shmcopy
+
+
+def test_a_wait_behind_a_frozen_lock_holder_says_who_and_gives_up(tmp_path, short_waits, bounded, caplog,
+                                                                    monkeypatch):
+    import threading
+
+    copy = tmp_path / "engram-0123456789abcdef-layer1.rows"
+    holder = _locker(copy)
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger=short_waits.__name__):
+            with pytest.raises(EngramError, match=rf"^{copy}\.lock: held by process {holder.pid} \(stopped\) with no "
+                                                  rf"sign of progress for 1 s .*resume it \(kill -CONT\) or stop it"):
+                short_waits.lock(copy)
+        waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+        assert waits and all(f"{copy}.lock (the shared copy {copy}), held by process {holder.pid} (stopped)" in w
+                             for w in waits), caplog.text
+        # Resumed, it leaves, and the wait proceeds.
+        monkeypatch.setattr(short_waits, "LOCK_STALL_SECONDS", 15.0)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        threading.Timer(0.5, os.kill, (holder.pid, signal.SIGCONT)).start()
+        fd = short_waits.lock(copy)
+        os.close(fd)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_a_holder_that_beats_is_waited_for_past_the_bound(tmp_path, short_waits, bounded):
+    copy = tmp_path / "engram-0123456789abcdef-layer1.rows"
+    holder = _locker(copy, beat_for=2.5)  # 2.5 x the bound, beating as a fill does
+    try:
+        os.close(short_waits.lock(copy))
+    finally:
+        holder.wait(timeout=30)
+
+
+# ------------------------------------------------- a fill interrupted by a signal (issue 22 item 6)
+SLOW_FILLER = """
+    import time
+    from engram_sglang.core.stores import hostmem, open_store, shmcopy
+    from tests.support.tables import small_config
+    hostmem._FILL_CHUNK = 4096  # many chunks, each a little slow
+    beat = shmcopy._Progress.__call__
+    def slow(self, done):
+        if done == 4096:
+            print("filling", flush=True)
+        time.sleep(0.01)
+        beat(self, done)
+    shmcopy._Progress.__call__ = slow
+    open_store({table_dir!r}, "host", cfg=small_config(200, layer_ids=(1,), n_heads=2), shared=True, shm_dir={shm!r})
+    print("filled", flush=True)
+"""
+
+
+def _slow_filler(table_dir, shm) -> subprocess.Popen:
+    code = textwrap.dedent(SLOW_FILLER).format(table_dir=str(table_dir), shm=str(shm))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "filling"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_fill_interrupted_by_a_signal_leaves_nothing_and_dies_by_it(tables, tmp_path, sig):
+    dir_a, _, _, _ = tables
+    proc = _slow_filler(dir_a, tmp_path)
+    assert any(".tmp." in p.name for p in tmp_path.iterdir())
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == -sig, "did not die by the signal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_failed_open_leaves_no_sidecars(tables, tmp_path, monkeypatch):
+    from engram_sglang.core.stores import hostmem
+
+    dir_a, _, _, _ = tables
+
+    def broken(*a, **kw):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(hostmem, "_fill", broken)
+    with pytest.raises(OSError):
+        _open(dir_a, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ------------------------------------ sidecars without a copy, odd things at a copy's name (item 7)
+def test_shm_ls_lists_and_rm_removes_sidecars_without_a_copy(tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    name = "engram-0123456789abcdef-layer1.rows"
+    for suffix in (".lock", ".users"):  # as a failed open of an older version left them
+        (tmp_path / f"{name}{suffix}").touch(mode=0o600)
+    assert main(["shm", "ls", "--shm-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for suffix in ("lock", "users"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"{name}.{suffix}"))
+        assert line.endswith(f"{suffix} sidecar, no copy: nobody holds it (shm rm or prune)"), line
+    held = _locker(tmp_path / name)  # a fill in progress holds the lock: refused
+    try:
+        assert main(["shm", "rm", "--shm-dir", str(tmp_path), f"{name}.lock"]) == 2
+        err = capsys.readouterr().err
+        assert f"held by a server filling or opening the copy (processes {held.pid})" in err and len(err.splitlines()) == 1
+    finally:
+        held.stdin.close()
+        held.wait(timeout=30)
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), f"{name}.lock", f"{name}.users"]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shm_rm_of_a_directory_named_like_a_copy_is_one_line(tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    name = "engram-0123456789abcdef-layer1.rows"
+    (tmp_path / name).mkdir()
+    assert main(["shm", "rm", "--shm-dir", str(tmp_path), name]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / name}: is a directory, not a shared copy" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "left a new .lock"
+
+
+# ------------------------------------------------------------- shm prune (issue 25 item 4)
+def _names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_shm_prune_removes_what_no_process_uses(tables, tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    dir_a, _, dir_b, _ = tables
+    held = _holder(dir_a, tmp_path)  # A's copy: in use, never pruned
+    try:
+        in_use = _names(tmp_path)
+        killed = _slow_filler(dir_b, tmp_path)  # SIGKILL mid-fill: B's .tmp.PID and sidecars stay
+        killed.kill()
+        killed.wait(timeout=60)
+        (tmp_path / "engram-0123456789abcdef-layer1.rows.users").touch(mode=0o600)
+        left = sorted(set(_names(tmp_path)) - set(in_use))
+        assert len(left) == 4 and any(f".tmp.{killed.pid}" in n for n in left), left
+        args = ["shm", "prune", "--shm-dir", str(tmp_path)]
+        assert main([*args, "--dry-run"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert sorted(ln.split()[2].rsplit("/", 1)[1] for ln in out[:-1]) == left and _names(tmp_path) == sorted(
+            in_use + left)
+        assert out[-1].startswith(f"{tmp_path}: would prune 4 file(s), ")
+        assert main(args) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [ln.split()[0] for ln in out[:-1]] == ["removed"] * 4 and f"(process {killed.pid} is gone)" in "".join(out)
+        assert _names(tmp_path) == in_use
+    finally:
+        held.stdin.close()
+        held.wait(timeout=60)
+
+
+def test_shm_prune_by_age_and_by_table_version(tables, tmp_path, capsys):
+    from engram_sglang.tools.cli import main
+
+    dir_a, _, dir_b, _ = tables
+    for d in (dir_a, dir_b):  # kept copies no server holds
+        _open(d, tmp_path, keep=True).close()
+    (copy_a,) = [p for p in _copies(tmp_path) if p.name.split("-")[1] == _open_name(dir_a)]
+    args = ["shm", "prune", "--shm-dir", str(tmp_path)]
+    assert main([*args, "--older-than", "1d"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("pruned 0 file(s), 0.000 GiB") and len(_copies(tmp_path)) == 2
+    assert main([*args, "--table-dir", str(dir_a)]) == 0  # B holds another version of A's layer 1
+    out = capsys.readouterr().out
+    assert "another version of layer 1 than the table directory's" in out and _copies(tmp_path) == [copy_a]
+    assert main(args) == 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit, match="2"):  # argparse's one line
+        main([*args, "--older-than", "soon"])
+
+
+def _open_name(table_dir) -> str:
+    from engram_sglang.core.stores.shmadmin import table_identities
+
+    return table_identities(table_dir)[1]
+
+
+def test_a_leftover_whose_pid_now_names_a_later_process_is_reclaimed(tmp_path, monkeypatch):
+    import time
+
+    from engram_sglang.core.stores import shmcopy
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp = tmp_path / f"engram-0123456789abcdef-layer1.rows.tmp.{sleeper.pid}"
+        tmp.touch(mode=0o600)
+        assert shmcopy.reclaim_leftovers(tmp_path) == [] and tmp.exists()  # its filler may be at work
+        # The PID reused (a container restarted): the process holding it started after the file.
+        monkeypatch.setattr(shmcopy, "_started_at", lambda pid: time.time() + 60, raising=False)
+        assert shmcopy.reclaim_leftovers(tmp_path) == [tmp] and not tmp.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

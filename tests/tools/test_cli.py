@@ -225,6 +225,7 @@ STDOUT_CASES = {
     ("tables", "inspect"): lambda t, n: ["tables", "inspect", str(_table_dir(t) if n == 0 else t / "t")],
     ("shm", "ls"): lambda t, n: ["shm", "ls", "--shm-dir", str(t)],
     ("shm", "rm"): lambda t, n: ["shm", "rm", *_fresh_shm_copy(t, n)],
+    ("shm", "prune"): lambda t, n: ["shm", "prune", "--dry-run", "--shm-dir", str(t)],
     ("demo",): lambda t, n: ["demo", "--help"],
     ("demo-model",): lambda t, n: ["demo-model", "--help"],
     ("plan",): lambda t, n: ["plan", "--model", "deepseek-v4.1-flash", "--gpu", "H200"],

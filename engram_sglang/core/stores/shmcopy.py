@@ -17,18 +17,23 @@ Trusted on its content, not on its name and size:
 * reference counted by shared flocks on `NAME.users` (the kernel drops those of a dead
   process): the last server to close its store removes the copy unless told to keep it.
 
-Start-up fills or checks under `NAME.lock`: the first rank works while the others wait.
+Start-up fills or checks under `NAME.lock`: the first rank works while the others wait, with
+a line every LOCK_LOG_SECONDS naming the holder, given up when it stalls (wait_flock). A
+SIGTERM/SIGHUP during it unwinds the cleanup first (_unwind_on_signals).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
+import glob
 import logging
 import mmap
 import os
 import re
+import signal
 import stat
 import threading
 import time
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 NAME = re.compile(r"^engram-(?P<identity>[0-9a-f]{16})(?:-(?P<numa>node\d+|interleave))?-layer(?P<layer>\d+)\.rows$")
 _TMP = re.compile(r"^(engram-[0-9a-f]{16}(?:-(?:node\d+|interleave))?-layer\d+\.rows)\.tmp\.(\d+)$")
 PROGRESS_SECONDS = 5.0
+_ALLOCATE_STEP = 1 << 30
 
 
 def identity(layer_id: int, rows: int, chunk_rows: int, checksums: tuple[str, ...]) -> str:
@@ -144,18 +150,122 @@ def _same_file(fd: int, path: Path) -> bool:
 def lock(path: Path, blocking: bool = True) -> Optional[int]:
     """Hold the copy's `.lock` (exclusive); None when not blocking and someone holds it. The
     last server to leave unlinks the lock file while it holds it: a lock won on an unlinked
-    file guards nothing, so it is taken again on the file the name now holds."""
+    file guards nothing, so it is taken again on the file the name now holds. A blocking
+    wait is `wait_flock`'s: a line every LOCK_LOG_SECONDS, a bound on a holder that stalls."""
     lock_path = sidecars(path)[0]
     while True:
         fd = _open(lock_path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
+            if not _try_exclusive(fd):
+                if not blocking:
+                    os.close(fd)
+                    return None
+                wait_flock(fd, fcntl.LOCK_EX, lock_path, path)
+        except BaseException:
             os.close(fd)
-            return None
+            raise
         if _same_file(fd, lock_path):
             return fd
         os.close(fd)
+
+
+# A wait for a flock held by another process: one WARNING every LOCK_LOG_SECONDS (what, which
+# PIDs), given up after LOCK_STALL_SECONDS without a sign of progress from the holder. Progress
+# is any change of the lock file's mtime (a filler or checker beats every PROGRESS_SECONDS), of
+# the copy's `.tmp.PID` files (allocated in steps) or of the holders' CPU time: a legitimate
+# fill of any size never gives up, a frozen holder (SIGSTOP, cgroup freezer, `docker pause`, D
+# state on a hung mount) fails start-up in 5 minutes: 60 missed beats, far above a slow chunk
+# read or page reclaim, and short enough that a stuck node is noticed.
+LOCK_LOG_SECONDS = 10.0
+LOCK_STALL_SECONDS = 300.0
+LOCK_POLL_SECONDS = 0.1
+
+
+def wait_flock(fd: int, op: int, lock_path: Path, copy: Path) -> None:
+    """Take flock `op` on fd by LOCK_NB polling (no thread), logging and bounded as above."""
+    t0 = last_log = last_progress = time.monotonic()
+    seen = None
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        pids = lock_holders(lock_path)
+        mark = _progress_mark(lock_path, copy, pids)
+        if mark != seen:
+            seen, last_progress = mark, now
+        if now - last_progress >= LOCK_STALL_SECONDS:
+            raise EngramError(f"{lock_path}: held by {_describe(pids)} with no sign of progress for "
+                              f"{now - last_progress:.0f} s (frozen, stopped or stuck on a hung mount?); resume it "
+                              f"(kill -CONT) or stop it, then start again")
+        if now - last_log >= LOCK_LOG_SECONDS:
+            last_log = now
+            logger.warning("engram: waiting %.0f s for %s (the shared copy %s), held by %s; giving up after %.0f s "
+                           "without progress", now - t0, lock_path, copy, _describe(pids), LOCK_STALL_SECONDS)
+        time.sleep(LOCK_POLL_SECONDS)
+
+
+def lock_holders(file: Path) -> Optional[list[int]]:
+    """PIDs holding a flock on `file` (from /proc/locks; waiters excluded); None when that
+    is unknown (/proc/locks unreadable), [] when the file does not exist or nobody holds it."""
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError:
+        return []
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in text.splitlines():
+        f = line.split()
+        if "->" in f:  # a waiter, not a holder
+            continue
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev:
+            pids.append(int(f[4]))
+    return sorted(set(pids))
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat's fields after the command name (state first), None when gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+_STATES = {"T": "stopped", "t": "stopped (traced)", "D": "in uninterruptible I/O", "Z": "exiting"}
+
+
+def _describe(pids: Optional[list[int]]) -> str:
+    if not pids:
+        return "a process /proc/locks does not show (another PID namespace?)"
+    parts = []
+    for pid in pids:
+        f = _proc_stat(pid)
+        state = _STATES.get(f[0], "running") if f else "gone"
+        parts.append(f"{pid} ({state})")
+    return f"process{'es' if len(pids) > 1 else ''} {', '.join(parts)}"
+
+
+def _progress_mark(lock_path: Path, copy: Path, pids: Optional[list[int]]) -> tuple:
+    """What changes while the holder works: see LOCK_STALL_SECONDS."""
+    files = []
+    for p in (lock_path, *copy.parent.glob(f"{glob.escape(copy.name)}.tmp.*")):
+        try:
+            st = os.lstat(p)
+            files.append((p.name, st.st_size, st.st_blocks, st.st_mtime_ns))
+        except OSError:
+            continue
+    cpu = []
+    for pid in pids or ():
+        f = _proc_stat(pid)
+        cpu.append((pid, f[11:13] if f else None))  # utime, stime
+    return tuple(files), tuple(cpu)
 
 
 def _try_exclusive(fd: int) -> bool:
@@ -174,6 +284,26 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _started_at(pid: int) -> Optional[float]:
+    """When process `pid` started (epoch seconds), None when unknown."""
+    f = _proc_stat(pid)
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime"))
+        return boot + int(f[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def filler_alive(pid: int, st: os.stat_result) -> bool:
+    """Whether the process that made a `.tmp.PID` (whose lstat is `st`) may still be filling
+    it: PID alive and started before the file's last inode change (its filler created and
+    sized it after starting; a later process is the PID reused, common in containers)."""
+    if not _pid_alive(pid):
+        return False
+    started = _started_at(pid)
+    return started is None or started <= st.st_ctime + 2.0  # (btime and the tick are coarse)
 
 
 def allocated_bytes(path: Path) -> int:
@@ -221,7 +351,7 @@ def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]
     for p, st, m in found:
         if st.st_uid != os.geteuid():
             continue
-        if (own is None or m.group(1) != own.name) and _pid_alive(int(m.group(2))):
+        if (own is None or m.group(1) != own.name) and filler_alive(int(m.group(2)), st):
             continue
         try:
             p.unlink()
@@ -233,15 +363,86 @@ def reclaim_leftovers(directory: Path, own: Optional[Path] = None) -> list[Path]
     return removed
 
 
+def _drop_orphan_sidecars(path: Path, lock_fd: int) -> None:
+    """After a failed open, under the lock: remove `.users` and `.lock` when no copy is there
+    and no server holds it (a failed open must leave nothing behind); never raises."""
+    lock_path, users_path = sidecars(path)
+    try:
+        if os.path.lexists(path):
+            return
+        try:
+            users = _open(users_path, os.O_RDWR)
+        except FileNotFoundError:
+            users = None
+        if users is not None:
+            try:
+                if not _try_exclusive(users):
+                    return
+                users_path.unlink(missing_ok=True)
+            finally:
+                os.close(users)
+        if _same_file(lock_fd, lock_path):
+            lock_path.unlink(missing_ok=True)  # while held: see lock()
+    except (OSError, EngramError):
+        logger.debug("engram: leaving the sidecars of %s", path, exc_info=True)
+
+
+class _Interrupted(BaseException):
+    """A terminating signal during a fill or check, raised so that the cleanup runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+_UNWOUND_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _unwind_on_signals():
+    """SIGTERM/SIGINT/SIGHUP whose action is the default (killing Python without unwinding)
+    raise inside the block instead, so that its cleanup removes the fill's `.tmp.PID` and the
+    sidecars; then the default action is taken again: the process dies with the signal's usual
+    status. A Python handler (SIGINT's KeyboardInterrupt, SGLang's own) and an ignored signal
+    are left as they are. Python handlers exist only in the main thread: elsewhere a signal
+    kills the process as before and the next start or `shm prune` reclaims what it left."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def handler(signum, frame):
+        if not got:  # once: the cleanup itself is not interrupted again
+            got.append(signum)
+            raise _Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in _UNWOUND_SIGNALS}
+    installed = [s for s, h in previous.items() if h is signal.SIG_DFL]
+    for s in installed:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s in installed:
+            signal.signal(s, previous[s])
+        if got:
+            logger.warning("engram: %s during the shared copy's fill or check: removed what it left; exiting",
+                           signal.Signals(got[0]).name)
+            signal.raise_signal(got[0])  # the default action, now restored
+
+
 class _Progress:
     """Log lines (every PROGRESS_SECONDS) of bytes done and the rate: 189 GiB takes minutes."""
 
-    def __init__(self, what: str, total: int):
-        self.what, self.total = what, total
-        self.t0 = self.last = time.monotonic()
+    def __init__(self, what: str, total: int, beat: Optional[Callable[[], None]] = None):
+        self.what, self.total, self.beat = what, total, beat
+        self.t0 = self.last = self.last_beat = time.monotonic()
 
     def __call__(self, done: int) -> None:
         now = time.monotonic()
+        if self.beat is not None and now - self.last_beat >= 1.0:  # waiters see progress (wait_flock)
+            self.last_beat = now
+            self.beat()
         if now - self.last >= PROGRESS_SECONDS:
             self.last = now
             logger.info("engram: %s: %.2f of %.2f GiB (%.0f%%), %.2f GiB/s", self.what, done / 2**30,
@@ -291,13 +492,22 @@ class SharedCopy:
         self._prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
         self._flags = os.O_RDONLY if read_only else os.O_RDWR
         check_kinds(self.path)
+        with _unwind_on_signals():
+            self._open_under_lock(fill, advise)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
+        logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
+
+    def _open_under_lock(self, fill, advise) -> None:
         lock_fd = lock(self.path)
+        self._beat = lambda: os.utime(lock_fd)
         try:
-            reclaim_leftovers(spec.directory, self.path)
+            reclaim_leftovers(self.spec.directory, self.path)
             users = _open(sidecars(self.path)[1], os.O_RDWR | os.O_CREAT)
             try:
                 self.map, self.how = self._open_or_fill(users, fill, advise)
-                fcntl.flock(users, fcntl.LOCK_SH)  # held while mapped (exclusive after a check: downgraded)
+                # held while mapped (exclusive after a check: downgraded)
+                wait_flock(users, fcntl.LOCK_SH, sidecars(self.path)[1], self.path)
                 fd = _open(self.path, os.O_RDONLY)
                 try:
                     st = os.fstat(fd)
@@ -308,11 +518,11 @@ class SharedCopy:
                 os.close(users)
                 raise
             self._users = users
+        except BaseException:
+            _drop_orphan_sidecars(self.path, lock_fd)
+            raise
         finally:
             os.close(lock_fd)
-        with _OPEN_LOCK:
-            _OPEN.add(self)
-        logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
 
     def _open_or_fill(self, users: int, fill, advise) -> tuple[mmap.mmap, str]:
         path, nbytes = self.path, self.nbytes
@@ -335,7 +545,7 @@ class SharedCopy:
                     advise(m)
                     if in_use:  # checked or filled by the running server that holds it
                         return m, "mapped (in use by a running server)"
-                    progress = _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes)
+                    progress = _Progress(f"layer {self.spec.layer_id}: checking {path}", nbytes, self._beat)
                     chunk = verify(m, self.spec, progress)
                     if chunk is None:
                         progress.done()
@@ -362,7 +572,9 @@ class SharedCopy:
                 # later mapping get pages by it.
                 numa.bind(writable, self.spec.binding)
                 try:  # all pages now, so a full /dev/shm or NUMA node fails here, not in a page fault
-                    os.posix_fallocate(fd, 0, nbytes)
+                    for lo in range(0, nbytes, _ALLOCATE_STEP):  # in steps: waiters see the file grow
+                        os.posix_fallocate(fd, lo, min(_ALLOCATE_STEP, nbytes - lo))
+                        self._beat()
                 except OSError as e:
                     if e.errno == errno.ENOSPC:
                         raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
@@ -371,7 +583,7 @@ class SharedCopy:
                                           f"{self.spec.binding.describe() if self.spec.binding else 'this host'}; "
                                           f"free memory or choose --engram-host-numa interleave") from None
                     raise
-                progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes)
+                progress = _Progress(f"layer {self.spec.layer_id}: filling {path}", nbytes, self._beat)
                 fill(writable, progress)
                 progress.done()
             finally:
