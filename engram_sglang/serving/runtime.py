@@ -26,6 +26,7 @@ import torch
 
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
+from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
@@ -51,6 +52,29 @@ def agree_over_tp(flag: bool) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return bool(value.item())
+
+
+def row_sum_path(vendor: Optional[str]) -> str:
+    """How `sum_owned_rows` sums on `vendor` ("cuda", "hip", None: the CPU). On HIP SGLang may send
+    bf16 to quick all-reduce, which casts to fp16 or quantizes (ROCM_QUICK_REDUCE_QUANTIZATION):
+    rows would stop being exact. An int32 view is exact under any algorithm."""
+    return "int32-view" if vendor == HIP else "sglang"
+
+
+def sum_owned_rows(rows: torch.Tensor, vendor: Optional[str]) -> torch.Tensor:
+    """Sum bf16 row shards over the TP ranks. Each row lives on exactly one rank and the others
+    hold +0.0 (bits 0x0000), so adding the int32 view of bf16 pairs (rows are 256 wide: even)
+    gives the owner's bits; elsewhere SGLang's all-reduce keeps its fast paths (exact on +0.0)."""
+    from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_reduce
+
+    if row_sum_path(vendor) == "sglang":
+        return tensor_model_parallel_all_reduce(rows)
+    from sglang.srt.distributed.parallel_state import inplace_all_reduce
+
+    rows = rows.contiguous()
+    # Straight to RCCL (as upstream's _reduce_owned_rows): never quick or custom all-reduce.
+    inplace_all_reduce(rows.view(torch.int32), group_name=get_tp_group().unique_name)
+    return rows
 
 
 @dataclasses.dataclass
@@ -144,6 +168,8 @@ class EngramRuntime:
         # Rows are summed over the TP ranks only where some store holds a shard: with one host
         # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
         self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
+        # Whose all-reduce sums them (`row_sum_path`): the GPU runtime torch was built for.
+        self.row_vendor = torch_vendor() if self.device.type == "cuda" else None
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
         # --engram-disk-graphs: fixed buffers the captured decode forward reads for the layers
         # whose stores read on the host, filled before each replay (serving/staged_rows.py).
@@ -346,10 +372,7 @@ class EngramRuntime:
         if step is not None:
             step.wait_seconds += time.perf_counter() - t0
         if self.reduce_rows:
-            from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-            # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
-            rows = tensor_model_parallel_all_reduce(rows)
+            rows = sum_owned_rows(rows, self.row_vendor)
         if own and step.keep is not None:
             # Tokens with Engram off read nothing: +0.0 rows (what the reference uses).
             full = rows.new_zeros(step.hash_ids.shape[0], *rows.shape[1:])
