@@ -96,11 +96,32 @@ class EngramStep:
     # those tokens, whose rows alone are read; None when every token of the step is on.
     on: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
+    # bool [T]: CUDA-graph padding tokens, whose ids reach no store as row ids (-1: +0 rows,
+    # never counted nor admitted by a hot-row cache); None: the step has no padding to mask.
+    padding: Optional[torch.Tensor] = None
 
     def read_ids(self, column: int) -> torch.Tensor:
         """The hash ids [K, C] of one layer that reach a store (the tokens with Engram on)."""
-        ids = self.hash_ids[:, column]
+        ids = mask_padding(self.hash_ids[:, column], self.padding)
         return ids if self.keep is None else ids[self.keep]
+
+
+def padding_tokens(token_req: torch.Tensor, forward_batch) -> Optional[torch.Tensor]:
+    """bool [T] of a step's graph padding, on the device (no host sync, so a replay at a padded
+    batch size masks its own padding): tokens of no request (slot -1, `step_tokens`) and
+    decode rows SGLang pads with KV slot 0 (`out_cache_loc` 0, as history.py commits them)."""
+    pad = token_req < 0
+    out_loc = getattr(forward_batch, "out_cache_loc", None) if forward_batch is not None else None
+    if isinstance(out_loc, torch.Tensor) and out_loc.shape == token_req.shape:
+        pad = pad | (out_loc.to(pad.device) == 0)
+    return pad
+
+
+def mask_padding(ids: torch.Tensor, padding: Optional[torch.Tensor]) -> torch.Tensor:
+    """`ids` [T, ...] with the padding tokens' ids -1 (outside every row range)."""
+    if padding is None:
+        return ids
+    return ids.masked_fill(padding.view(-1, *([1] * (ids.dim() - 1))), -1)
 
 
 def step_tokens(forward_batch, num_tokens: int) -> tuple[torch.Tensor, str]:
@@ -214,7 +235,7 @@ class EngramRuntime:
             hash_ids = self.step_hasher(input_ids, forward_batch)
         token_req, mode = step_tokens(forward_batch, hash_ids.shape[0])
         step = self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
-                          prefetch=prefetch)
+                          prefetch=prefetch, padding=padding_tokens(token_req, forward_batch))
         # For layers the step cannot be handed to (DeepSeek's, inside upstream's model); not
         # inside a capture, where no Python state of the runtime changes (a replay runs none).
         if not step.captured:
@@ -290,9 +311,11 @@ class EngramRuntime:
         self.step_hasher, self.hasher = module, SequenceHasher(module)
 
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
-              input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True) -> EngramStep:
-        """Issue every layer's gather for this step's hash ids [T, L, C]. Inside a CUDA-graph
-        capture no Python state of the runtime changes (a replay would not change it)."""
+              input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True,
+              padding: Optional[torch.Tensor] = None) -> EngramStep:
+        """Issue every layer's gather for this step's hash ids [T, L, C] (`padding` bool [T]:
+        graph padding, read as -1). Inside a CUDA-graph capture no Python state of the runtime
+        changes (a replay would not change it)."""
         capturing = maintenance.capturing()
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
@@ -300,7 +323,8 @@ class EngramRuntime:
         # Modes apply to the step's own ids (not to a context-parallel rank's slice: prefetch False).
         use = not capturing and prefetch and hash_ids.shape[0]
         on, keep = self._engram_on(token_req, positions) if use else (None, None)
-        reads = hash_ids if keep is None else hash_ids[keep]
+        reads = mask_padding(hash_ids, padding)
+        reads = reads if keep is None else reads[keep]
         # A captured decode forward reads the host-reading layers' rows from the staged
         # buffers, which the plugin fills before every replay.
         staged = self.staged if capturing and prefetch and self.staged is not None else None
@@ -313,7 +337,7 @@ class EngramRuntime:
                 elif self.settings.prefetch:
                     handles[L] = self.stores[L].prefetch(reads[:, i])
         step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles, on=on, keep=keep,
-                          captured=capturing)
+                          captured=capturing, padding=padding)
         if not capturing:
             self._open_step = step
         return step

@@ -218,8 +218,9 @@ class TableStore(ABC):
         return result
 
     def _check_ids(self, lo: int, hi: int) -> None:
-        """Ids read on the host must lie in the table: [lo, hi] are their min and max."""
-        if lo < 0 or hi >= self.rows:
+        """Ids read on the host must lie in the table: [lo, hi] are their min and max. -1 is no
+        row (a CUDA-graph padding token's, serving/runtime.py): it reads +0, as another shard's."""
+        if lo < -1 or hi >= self.rows:
             raise EngramError(f"layer {self.layer_id}: row id {lo if lo < 0 else hi} is outside the table's "
                               f"{self.rows} rows")
 
