@@ -118,6 +118,10 @@ class RecordingStreams:
         self._note("wait_event", stream, event)
         self._run(event.stream, event.upto)
 
+    def event_done(self, event) -> bool:
+        self._note("event_done", event)
+        return event.stream.done >= event.upto
+
     def synchronize_event(self, event) -> None:
         self._note("synchronize_event", event)
         if not self.skip_event_sync:

@@ -362,10 +362,33 @@ class TableStore(ABC):
         if not self.needs_host_ids:
             from .metrics import METRICS
 
-            rows = self.counts()[1]
-            METRICS.served(self, rows - self._published_rows)
-            self._published_rows = rows
+            rows = self._rows_served_without_blocking()
+            if rows is not None:
+                METRICS.served(self, rows - self._published_rows)
+                self._published_rows = rows
         return 0
+
+    _counts_copy = None  # (pinned host copy of _counts, its event) in flight since the last maintain
+
+    def _rows_served_without_blocking(self) -> Optional[int]:
+        """Rows served as of an earlier maintenance, never waiting on the forward stream (a
+        `.tolist()` here would stall the scheduler every 8th step): the device counters go to
+        pinned host memory behind an event, read at a later maintenance once it has passed
+        (None until then). On the CPU they are host values already."""
+        streams = self._streams
+        if streams is None:
+            return self.counts()[1]
+        rows = None
+        if self._counts_copy is not None:
+            host, event = self._counts_copy
+            if not streams.event_done(event):
+                return None
+            rows = int(host.numpy()[1])
+        host = self._counts_copy[0] if self._counts_copy is not None else streams.pinned_empty(
+            self._counts.shape, self._counts.dtype)
+        streams.to_host(self._counts, host)
+        self._counts_copy = (host, streams.record_event(streams.current()))
+        return rows
 
     def stats(self) -> dict:
         calls, rows = self.counts()

@@ -44,6 +44,10 @@ class CudaStreams:
     def wait_event(self, stream, event) -> None:
         stream.wait_event(event)
 
+    def event_done(self, event) -> bool:
+        """Whether the work before `event` has finished (never waits)."""
+        return event.query()
+
     def synchronize_event(self, event) -> None:
         """The host waits (a worker thread, never the forward)."""
         event.synchronize()
