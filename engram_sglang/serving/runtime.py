@@ -49,7 +49,9 @@ def agree_over_tp(flag: bool) -> bool:
     `rows` all-reduces over), by one all-reduce over its CPU group at start-up."""
     from sglang.srt.distributed import get_tp_group
 
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    # On the CPU explicitly: SGLang opens the stores under a torch.device("cuda") context, and
+    # gloo (the CPU group) all-reduces host tensors only.
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return bool(value.item())
 

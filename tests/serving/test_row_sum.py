@@ -98,3 +98,21 @@ def test_rows_a_rank_does_not_own_are_positive_zero():
     table = torch.randint(0, 256, (4, ROW_BYTES), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     out = gather_dequant_ref(table, torch.tensor([0, 3, 8, 9, -1]), lo=4, hi=8)
     assert not out.view(torch.int16).any()
+
+
+def test_agree_over_tp_all_reduces_a_cpu_tensor_under_a_device_context(monkeypatch):
+    """SGLang opens the stores under torch.device("cuda"): the flag still goes to the gloo CPU
+    group as a host tensor (a "meta" context stands in for "cuda" on a machine without one)."""
+    from engram_sglang.serving.runtime import agree_over_tp
+
+    seen = []
+
+    def all_reduce(value, op=None, group=None):
+        seen.append((value.device.type, group))
+        value.fill_(0)  # another rank says no
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(sglang_distributed, "get_tp_group", lambda: types.SimpleNamespace(cpu_group="gloo"))
+    with torch.device("meta"):
+        assert agree_over_tp(True) is False
+    assert seen == [("cpu", "gloo")]
