@@ -87,6 +87,9 @@ class RecordingStreams:
     def current(self):
         return self._stack()[-1]
 
+    def set_device(self) -> None:
+        self._note("set_device")
+
     def new_stream(self):
         self._streams += 1
         s = FakeStream(f"side{self._streams}")

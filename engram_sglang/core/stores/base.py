@@ -257,8 +257,15 @@ class TableStore(ABC):
 
     def _worker_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-l{self.layer_id}")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-l{self.layer_id}",
+                                                initializer=self._thread_device())
         return self._executor
+
+    def _thread_device(self) -> Optional[Callable[[], None]]:
+        """Every worker thread's initializer: the store's device first. A new thread's current
+        device is 0, where its first CUDA call (an event wait, a pinned allocation) would make a
+        context of several hundred MiB on rank k > 0. None on the CPU (no CUDA)."""
+        return self._streams.set_device if self._streams is not None else None
 
     # ------------------------------------------------------------- what placements add
     @abstractmethod

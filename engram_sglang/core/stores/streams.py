@@ -26,6 +26,10 @@ class CudaStreams:
     def current(self):
         return torch.cuda.current_stream(self.device)
 
+    def set_device(self) -> None:
+        """Make this device the calling thread's current one (a worker thread's first call)."""
+        torch.cuda.set_device(self.device)
+
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
 
