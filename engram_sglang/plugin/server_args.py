@@ -21,6 +21,7 @@ def prepare_server_args(original, argv, *args, **kwargs):
     try:
         export_flags(list(argv))
         settings = ServeSettings.from_env()
+        refuse_megakernel(settings, list(argv))
         modes = (f"--engram-mode {settings.mode}" if settings.mode != "on"
                  else "--engram-ablation on" if settings.ablation else None)
         extra, why = graph_args(settings.placement, list(argv), trace=settings.trace, modes=modes,
@@ -33,6 +34,28 @@ def prepare_server_args(original, argv, *args, **kwargs):
         print(f"engram-sglang notice: {why}", file=sys.stderr, flush=True)
         argv = list(argv) + extra
     return original(argv, *args, **kwargs)
+
+
+MEGAKERNEL = "--enable-nvidia-megakernel"
+
+
+def refuse_megakernel(settings, argv) -> None:
+    """Upstream's NVIDIA megakernel reads `engram.embed.host_table` itself, which our stores
+    replace (None): where our tables serve (a table directory resolves), refuse it in one line."""
+    from ..core.errors import EngramConfigError
+    from ..serving.graphs import _flag_value
+    from ..serving.startup import resolve_table_dir
+
+    on = False
+    for a in argv:  # a store_true flag (`=VALUE` accepted as a boolean)
+        if a == MEGAKERNEL or a.startswith(MEGAKERNEL + "="):
+            on = a.partition("=")[2].lower() not in ("false", "0", "no", "off")
+    if not on:
+        return
+    table_dir = resolve_table_dir(settings, _flag_value(argv, "--model-path"), required=False)
+    if table_dir is not None:
+        raise EngramConfigError(f"{MEGAKERNEL} reads upstream's Engram host table itself, which engram-sglang's "
+                                f"stores (tables {table_dir}) replace: drop {MEGAKERNEL} to serve with the plugin")
 
 
 def add_cli_args(result, parser, *args, **kwargs):

@@ -26,6 +26,7 @@ import torch
 
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
+from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
@@ -48,9 +49,34 @@ def agree_over_tp(flag: bool) -> bool:
     `rows` all-reduces over), by one all-reduce over its CPU group at start-up."""
     from sglang.srt.distributed import get_tp_group
 
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    # On the CPU explicitly: SGLang opens the stores under a torch.device("cuda") context, and
+    # gloo (the CPU group) all-reduces host tensors only.
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return bool(value.item())
+
+
+def row_sum_path(vendor: Optional[str]) -> str:
+    """How `sum_owned_rows` sums on `vendor` ("cuda", "hip", None: the CPU). On HIP SGLang may send
+    bf16 to quick all-reduce, which casts to fp16 or quantizes (ROCM_QUICK_REDUCE_QUANTIZATION):
+    rows would stop being exact. An int32 view is exact under any algorithm."""
+    return "int32-view" if vendor == HIP else "sglang"
+
+
+def sum_owned_rows(rows: torch.Tensor, vendor: Optional[str]) -> torch.Tensor:
+    """Sum bf16 row shards over the TP ranks. Each row lives on exactly one rank and the others
+    hold +0.0 (bits 0x0000), so adding the int32 view of bf16 pairs (rows are 256 wide: even)
+    gives the owner's bits; elsewhere SGLang's all-reduce keeps its fast paths (exact on +0.0)."""
+    from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_reduce
+
+    if row_sum_path(vendor) == "sglang":
+        return tensor_model_parallel_all_reduce(rows)
+    from sglang.srt.distributed.parallel_state import inplace_all_reduce
+
+    rows = rows.contiguous()
+    # Straight to RCCL (as upstream's _reduce_owned_rows): never quick or custom all-reduce.
+    inplace_all_reduce(rows.view(torch.int32), group_name=get_tp_group().unique_name)
+    return rows
 
 
 @dataclasses.dataclass
@@ -72,11 +98,32 @@ class EngramStep:
     # those tokens, whose rows alone are read; None when every token of the step is on.
     on: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
+    # bool [T]: CUDA-graph padding tokens, whose ids reach no store as row ids (-1: +0 rows,
+    # never counted nor admitted by a hot-row cache); None: the step has no padding to mask.
+    padding: Optional[torch.Tensor] = None
 
     def read_ids(self, column: int) -> torch.Tensor:
         """The hash ids [K, C] of one layer that reach a store (the tokens with Engram on)."""
-        ids = self.hash_ids[:, column]
+        ids = mask_padding(self.hash_ids[:, column], self.padding)
         return ids if self.keep is None else ids[self.keep]
+
+
+def padding_tokens(token_req: torch.Tensor, forward_batch) -> Optional[torch.Tensor]:
+    """bool [T] of a step's graph padding, on the device (no host sync, so a replay at a padded
+    batch size masks its own padding): tokens of no request (slot -1, `step_tokens`) and
+    decode rows SGLang pads with KV slot 0 (`out_cache_loc` 0, as history.py commits them)."""
+    pad = token_req < 0
+    out_loc = getattr(forward_batch, "out_cache_loc", None) if forward_batch is not None else None
+    if isinstance(out_loc, torch.Tensor) and out_loc.shape == token_req.shape:
+        pad = pad | (out_loc.to(pad.device) == 0)
+    return pad
+
+
+def mask_padding(ids: torch.Tensor, padding: Optional[torch.Tensor]) -> torch.Tensor:
+    """`ids` [T, ...] with the padding tokens' ids -1 (outside every row range)."""
+    if padding is None:
+        return ids
+    return ids.masked_fill(padding.view(-1, *([1] * (ids.dim() - 1))), -1)
 
 
 def step_tokens(forward_batch, num_tokens: int) -> tuple[torch.Tensor, str]:
@@ -144,6 +191,8 @@ class EngramRuntime:
         # Rows are summed over the TP ranks only where some store holds a shard: with one host
         # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
         self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
+        # Whose all-reduce sums them (`row_sum_path`): the GPU runtime torch was built for.
+        self.row_vendor = torch_vendor() if self.device.type == "cuda" else None
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
         # --engram-disk-graphs: fixed buffers the captured decode forward reads for the layers
         # whose stores read on the host, filled before each replay (serving/staged_rows.py).
@@ -188,7 +237,7 @@ class EngramRuntime:
             hash_ids = self.step_hasher(input_ids, forward_batch)
         token_req, mode = step_tokens(forward_batch, hash_ids.shape[0])
         step = self.begin(hash_ids, token_req, positions, input_ids, mode, forward_batch=forward_batch,
-                          prefetch=prefetch)
+                          prefetch=prefetch, padding=padding_tokens(token_req, forward_batch))
         # For layers the step cannot be handed to (DeepSeek's, inside upstream's model); not
         # inside a capture, where no Python state of the runtime changes (a replay runs none).
         if not step.captured:
@@ -264,9 +313,11 @@ class EngramRuntime:
         self.step_hasher, self.hasher = module, SequenceHasher(module)
 
     def begin(self, hash_ids: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
-              input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True) -> EngramStep:
-        """Issue every layer's gather for this step's hash ids [T, L, C]. Inside a CUDA-graph
-        capture no Python state of the runtime changes (a replay would not change it)."""
+              input_ids: torch.Tensor, mode: str, *, forward_batch=None, prefetch: bool = True,
+              padding: Optional[torch.Tensor] = None) -> EngramStep:
+        """Issue every layer's gather for this step's hash ids [T, L, C] (`padding` bool [T]:
+        graph padding, read as -1). Inside a CUDA-graph capture no Python state of the runtime
+        changes (a replay would not change it)."""
         capturing = maintenance.capturing()
         if not capturing:
             self._release(self._open_step)  # a step that never reached end() (its forward raised)
@@ -274,7 +325,8 @@ class EngramRuntime:
         # Modes apply to the step's own ids (not to a context-parallel rank's slice: prefetch False).
         use = not capturing and prefetch and hash_ids.shape[0]
         on, keep = self._engram_on(token_req, positions) if use else (None, None)
-        reads = hash_ids if keep is None else hash_ids[keep]
+        reads = mask_padding(hash_ids, padding)
+        reads = reads if keep is None else reads[keep]
         # A captured decode forward reads the host-reading layers' rows from the staged
         # buffers, which the plugin fills before every replay.
         staged = self.staged if capturing and prefetch and self.staged is not None else None
@@ -287,7 +339,7 @@ class EngramRuntime:
                 elif self.settings.prefetch:
                     handles[L] = self.stores[L].prefetch(reads[:, i])
         step = EngramStep(hash_ids, token_req, positions, input_ids, mode, handles, on=on, keep=keep,
-                          captured=capturing)
+                          captured=capturing, padding=padding)
         if not capturing:
             self._open_step = step
         return step
@@ -346,10 +398,7 @@ class EngramRuntime:
         if step is not None:
             step.wait_seconds += time.perf_counter() - t0
         if self.reduce_rows:
-            from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-            # Each row lives on exactly one rank; the others return +0.0: the sum is exact.
-            rows = tensor_model_parallel_all_reduce(rows)
+            rows = sum_owned_rows(rows, self.row_vendor)
         if own and step.keep is not None:
             # Tokens with Engram off read nothing: +0.0 rows (what the reference uses).
             full = rows.new_zeros(step.hash_ids.shape[0], *rows.shape[1:])

@@ -144,8 +144,10 @@ def test_out_of_range_ids_raise_with_the_layer(table_dir, tmp_path):
     rows = LAYOUT.rows(1)
     with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
         store.gather(torch.tensor([0, rows]))
-    with pytest.raises(EngramError, match="row id -1 is outside"):
-        store.gather(torch.tensor([-1]))
+    with pytest.raises(EngramError, match="row id -2 is outside"):
+        store.gather(torch.tensor([-2]))
+    # -1 is no row (a graph padding token's): +0 rows, as another shard's ids.
+    assert not store.gather(torch.tensor([-1])).view(torch.int16).any()
     with pytest.raises(EngramError, match="must be int32 or int64"):
         store.gather(torch.tensor([1.0]))
 

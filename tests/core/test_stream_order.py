@@ -93,7 +93,7 @@ def test_disk_prefetch_on_a_gpu_orders_ids_staging_and_decode(tables, rng, optio
         assert fake.hazards == []
         workers = {e[1] for e in fake.log if e[1] != threading.current_thread().name}
         assert workers, "the reads ran on a worker thread"
-        assert {e[0] for e in fake.log if e[1] in workers} <= {"synchronize_event", "pinned_empty"}
+        assert {e[0] for e in fake.log if e[1] in workers} <= {"set_device", "synchronize_event", "pinned_empty"}
         assert all(e[2] is consumer for e in fake.ops("to_device"))
         assert all(e[2] is fake.default for e in fake.ops("to_host"))
         assert store.stats()["calls"] == 24
@@ -257,3 +257,33 @@ def test_runtime_begin_rows_end_pass_the_capture_fixture(tables, rng, prefetch):
             assert fake.ops("wait_event")  # the captured step joined its side streams
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("options", DISK, ids=["page-cache", "direct", "direct+dram"])
+def test_every_worker_thread_sets_the_store_device_first(tables, rng, options):
+    """Finding 2 (issue 23; recording fakes only, no GPU here): a thread starts on device 0, so
+    each of a store's worker threads (prefetch staging, I/O, admission, read-ahead) makes the
+    store's device current before anything else it does."""
+    root, _ = tables
+    before = set(threading.enumerate())
+    stores = open_store(root, "disk", cfg=CFG, **options)
+    fake = with_fake(stores)
+    try:
+        store = stores[CFG.layer_ids[0]]
+        for step in range(6):
+            ids = step_ids(rng, store.rows, 8 + step)
+            store.prefetch(ids).wait()
+            if store.reads_ahead:
+                store.read_ahead(step_ids(rng, store.rows, 16)).result()
+        fake.flush()
+        store.maintain()
+        me = threading.current_thread().name
+        workers = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("engram-") and t.name != me]
+        assert workers, "the store started worker threads"
+        first = {}
+        for e in fake.log:
+            first.setdefault(e[1], e[0])
+        assert all(first.get(name) == "set_device" for name in workers), (workers, first)
+    finally:
+        for s in stores.values():
+            s.close()

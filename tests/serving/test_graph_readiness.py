@@ -232,3 +232,25 @@ def test_sglang_resolves_the_added_flags(tmp_path):
     out = subprocess.run(base + ["--engram-placement", "device"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "RESOLVED disabled disabled []" in out.stdout  # the CPU's own default, unlocked
     assert "engram-sglang notice" not in out.stderr
+
+
+def test_launcher_refuses_the_nvidia_megakernel_where_our_tables_serve(clean_env, capsys, tmp_path):
+    """Upstream's megakernel reads engram.embed.host_table itself: one line, exit status 2,
+    where a table directory resolves; a model without our tables keeps the flag (control)."""
+    seen = {}
+    original = lambda argv: seen.setdefault("argv", argv)  # noqa: E731
+    from engram_sglang.core.config import DEFAULT_TABLE_DIR
+
+    model = tmp_path / "m"
+    (model / DEFAULT_TABLE_DIR).mkdir(parents=True)
+    for argv in (["--model-path", str(model), "--enable-nvidia-megakernel"],
+                 ["--enable-nvidia-megakernel=true", "--engram-table-dir", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            server_args.prepare_server_args(original, argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("engram-sglang: error: --enable-nvidia-megakernel reads "), err
+        assert "drop --enable-nvidia-megakernel" in err[0]
+    os.environ.pop("ENGRAM_TABLE_DIR", None)  # exported by the last launch (clean_env restores it)
+    server_args.prepare_server_args(original, ["--model-path", str(tmp_path / "other"), "--enable-nvidia-megakernel"])
+    assert seen["argv"][-1] == "--enable-nvidia-megakernel"

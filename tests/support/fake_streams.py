@@ -87,6 +87,9 @@ class RecordingStreams:
     def current(self):
         return self._stack()[-1]
 
+    def set_device(self) -> None:
+        self._note("set_device")
+
     def new_stream(self):
         self._streams += 1
         s = FakeStream(f"side{self._streams}")
@@ -117,6 +120,10 @@ class RecordingStreams:
     def wait_event(self, stream, event) -> None:
         self._note("wait_event", stream, event)
         self._run(event.stream, event.upto)
+
+    def event_done(self, event) -> bool:
+        self._note("event_done", event)
+        return event.stream.done >= event.upto
 
     def synchronize_event(self, event) -> None:
         self._note("synchronize_event", event)

@@ -218,8 +218,9 @@ class TableStore(ABC):
         return result
 
     def _check_ids(self, lo: int, hi: int) -> None:
-        """Ids read on the host must lie in the table: [lo, hi] are their min and max."""
-        if lo < 0 or hi >= self.rows:
+        """Ids read on the host must lie in the table: [lo, hi] are their min and max. -1 is no
+        row (a CUDA-graph padding token's, serving/runtime.py): it reads +0, as another shard's."""
+        if lo < -1 or hi >= self.rows:
             raise EngramError(f"layer {self.layer_id}: row id {lo if lo < 0 else hi} is outside the table's "
                               f"{self.rows} rows")
 
@@ -256,8 +257,15 @@ class TableStore(ABC):
 
     def _worker_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-l{self.layer_id}")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-l{self.layer_id}",
+                                                initializer=self._thread_device())
         return self._executor
+
+    def _thread_device(self) -> Optional[Callable[[], None]]:
+        """Every worker thread's initializer: the store's device first. A new thread's current
+        device is 0, where its first CUDA call (an event wait, a pinned allocation) would make a
+        context of several hundred MiB on rank k > 0. None on the CPU (no CUDA)."""
+        return self._streams.set_device if self._streams is not None else None
 
     # ------------------------------------------------------------- what placements add
     @abstractmethod
@@ -361,10 +369,33 @@ class TableStore(ABC):
         if not self.needs_host_ids:
             from .metrics import METRICS
 
-            rows = self.counts()[1]
-            METRICS.served(self, rows - self._published_rows)
-            self._published_rows = rows
+            rows = self._rows_served_without_blocking()
+            if rows is not None:
+                METRICS.served(self, rows - self._published_rows)
+                self._published_rows = rows
         return 0
+
+    _counts_copy = None  # (pinned host copy of _counts, its event) in flight since the last maintain
+
+    def _rows_served_without_blocking(self) -> Optional[int]:
+        """Rows served as of an earlier maintenance, never waiting on the forward stream (a
+        `.tolist()` here would stall the scheduler every 8th step): the device counters go to
+        pinned host memory behind an event, read at a later maintenance once it has passed
+        (None until then). On the CPU they are host values already."""
+        streams = self._streams
+        if streams is None:
+            return self.counts()[1]
+        rows = None
+        if self._counts_copy is not None:
+            host, event = self._counts_copy
+            if not streams.event_done(event):
+                return None
+            rows = int(host.numpy()[1])
+        host = self._counts_copy[0] if self._counts_copy is not None else streams.pinned_empty(
+            self._counts.shape, self._counts.dtype)
+        streams.to_host(self._counts, host)
+        self._counts_copy = (host, streams.record_event(streams.current()))
+        return rows
 
     def stats(self) -> dict:
         calls, rows = self.counts()

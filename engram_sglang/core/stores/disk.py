@@ -334,7 +334,8 @@ class DiskStore(TableStore):
         """One lazily started thread of this store (its I/O, its admissions)."""
         pool = getattr(self, attr)
         if pool is None:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{name}-l{self.layer_id}")
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{name}-l{self.layer_id}",
+                                      initializer=self._thread_device())
             setattr(self, attr, pool)
         return pool
 

@@ -26,6 +26,10 @@ class CudaStreams:
     def current(self):
         return torch.cuda.current_stream(self.device)
 
+    def set_device(self) -> None:
+        """Make this device the calling thread's current one (a worker thread's first call)."""
+        torch.cuda.set_device(self.device)
+
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
 
@@ -43,6 +47,10 @@ class CudaStreams:
 
     def wait_event(self, stream, event) -> None:
         stream.wait_event(event)
+
+    def event_done(self, event) -> bool:
+        """Whether the work before `event` has finished (never waits)."""
+        return event.query()
 
     def synchronize_event(self, event) -> None:
         """The host waits (a worker thread, never the forward)."""
