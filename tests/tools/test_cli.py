@@ -346,3 +346,27 @@ def test_a_commands_own_oserror_is_not_taken_for_stdout(monkeypatch, capsys, tmp
         with pytest.raises(type(error)):
             main(["tables", "inspect", str(tmp_path)])
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------ start-up: no torch before a command runs
+@pytest.mark.parametrize("argv", [["--help"], ["tables", "inspect"], ["scan"], ["no-such-command"]],
+                         ids=lambda a: " ".join(a))
+def test_help_and_usage_errors_do_not_import_torch(argv):
+    code = ("import sys\nfrom engram_sglang.tools.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nsys.stderr.write('torch imported: %s\\n' % ('torch' in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.endswith("torch imported: False\n"), proc.stderr
+
+
+def test_lazy_commands_help_lines_are_their_modules():
+    """The help line cli.py lists for a command imported on use is the one its add_parser gives."""
+    import argparse
+    import importlib
+
+    from engram_sglang.tools import cli
+
+    for name, (module, help_text) in cli.LAZY_COMMANDS.items():
+        sub = argparse.ArgumentParser(prog="engram-sglang").add_subparsers()
+        importlib.import_module(module, "engram_sglang.tools").add_parser(sub)
+        (action,) = [a for a in sub._choices_actions if a.dest == name]
+        assert action.help == help_text, name
