@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -370,3 +371,48 @@ def test_lazy_commands_help_lines_are_their_modules():
         importlib.import_module(module, "engram_sglang.tools").add_parser(sub)
         (action,) = [a for a in sub._choices_actions if a.dest == name]
         assert action.help == help_text, name
+
+
+# ------------------------------------------------------------ output targets: refused before the run
+def _output_cases(t):
+    """(argv, the target named in the one line) of unwritable output targets; the model does not
+    exist, so a target found only after loading it (or at the end of the run) fails the case."""
+    (t / "a-file").write_text("x")
+    (t / "a-dir").mkdir()
+    corpus = str(t / "a-file")
+    nope = str(t / "no-model")
+    return [
+        (["profile", "--model", nope, corpus, "--out", str(t / "a-file" / "x.npz")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "missing" / "d" / "x.npz")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "a-dir")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "x.npz"), "--trace", str(t / "a-dir")], "--trace"),
+        (["scan", "--model", nope, corpus, "--gate-stats", str(t / "a-dir")], "--gate-stats"),
+        (["scan", "--model", nope, corpus, "--json", str(t / "a-file" / "x.json")], "--json"),
+        (["ablate", "--model", nope, "--domain", f"d={corpus}", "--png", str(t / "a-dir")], "--png"),
+        (["ablate", "--model", nope, "--domain", f"d={corpus}", "--json", str(t / "missing" / "x.json")], "--json"),
+    ]
+
+
+def test_output_targets_are_checked_before_the_run(tmp_path, capsys):
+    for argv, flag in _output_cases(tmp_path):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"engram-sglang: error: {flag} "), (argv, err)
+    assert not (tmp_path / "missing").exists()  # profile --out under a missing directory made none
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file"] and not any((tmp_path / "a-dir").iterdir())
+
+
+def test_check_output_says_what_is_wrong(tmp_path):
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.tools.outputs import check_output
+
+    (tmp_path / "f").write_text("x")
+    assert check_output(tmp_path / "new.npz", "--out") == tmp_path / "new.npz"
+    assert check_output(tmp_path / "d" / "e" / "m", "", directory=True, parents=True) == tmp_path / "d" / "e" / "m"
+    for path, kw, want in ((tmp_path / "f" / "x", {}, f"{tmp_path / 'f'} is not a directory"),
+                           (tmp_path / "f" / "s" / "x", {}, f"{tmp_path / 'f'} is not a directory"),
+                           (tmp_path / "m" / "x", {}, f"no such directory {tmp_path / 'm'}"),
+                           (tmp_path, {}, "is a directory"),
+                           (tmp_path / "f", {"directory": True}, "exists and is not a directory")):
+        with pytest.raises(EngramError, match=re.escape(want)):
+            check_output(path, "--out", **kw)
