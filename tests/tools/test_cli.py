@@ -416,3 +416,27 @@ def test_check_output_says_what_is_wrong(tmp_path):
                            (tmp_path / "f", {"directory": True}, "exists and is not a directory")):
         with pytest.raises(EngramError, match=re.escape(want)):
             check_output(path, "--out", **kw)
+
+
+# ------------------------------------------------------------ tables convert: the output path
+def test_convert_into_dot_and_dotdot_paths_and_long_names(tmp_path, rng, monkeypatch, capsys):
+    ckpt, rows = checkpoint(tmp_path, rng)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["tables", "convert", "../ckpt", "."]) == 0  # `.` is replaced: the summary reads what was written
+    assert "layer   2:" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert main(["tables", "convert", str(ckpt), "./sub/../sub2"]) == 0  # no `sub`: the kernel cannot walk `..`
+    assert "layer   2:" in capsys.readouterr().out and np.array_equal(open_tables(tmp_path / "sub2")[2], rows.numpy())
+    for n in (235, 255):  # the longest names the filesystem takes; the hidden sibling must still fit
+        assert main(["tables", "convert", str(ckpt), "t" * n]) == 0, capsys.readouterr().err
+        assert np.array_equal(open_tables(tmp_path / ("t" * n))[2], rows.numpy())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no sibling left
+
+
+def test_convert_under_a_file_says_it_is_not_a_directory(tmp_path, rng, capsys):
+    ckpt, _ = checkpoint(tmp_path, rng)
+    (tmp_path / "f").write_text("x")
+    assert main(["tables", "convert", str(ckpt), str(tmp_path / "f" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'f'} is not a directory" in err and "File exists" not in err, err
