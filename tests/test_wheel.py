@@ -77,6 +77,33 @@ def test_host_library_is_built_on_first_use_once(nowhere):
         rowio.library.cache_clear()
 
 
+def test_a_corrupt_cached_build_is_rebuilt_once(nowhere):
+    path = nativelibs.locate(HOST_LIB)
+    path.write_bytes(b"\x7fELF garbage")  # a truncated or corrupt build (a full disk, a crash)
+    # A fresh process: this one has the good build loaded, and dlopen would hand that back.
+    code = ("import logging, sys\nfrom pathlib import Path\nfrom engram_sglang.core import nativelibs\n"
+            "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+            "nativelibs._is_checkout = lambda: False\nnativelibs._PACKAGE = Path(sys.argv[1])\n"
+            "print(nativelibs.locate(sys.argv[2]))\n")
+    run = subprocess.run([sys.executable, "-c", code, str(nowhere / "pkg"), HOST_LIB], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0 and run.stdout.strip() == str(path), run.stderr
+    assert run.stderr == f"WARNING engram-sglang: {path} does not load (a corrupt cached build): building it again\n"
+    assert path.read_bytes()[:4] == b"\x7fELF" and len(path.read_bytes()) > 1000  # rebuilt
+
+
+def test_a_corrupt_prebuilt_library_is_one_line_and_a_warning(nowhere, caplog):
+    lib = nowhere / "empty" / "libengram_cpu.so"
+    lib.write_bytes(b"not a library")
+    with caplog.at_level("WARNING", logger="engram_sglang"), pytest.raises(nativelibs.NativeLibraryError) as e:
+        nativelibs.locate("libengram_cpu.so")
+    with pytest.raises(nativelibs.NativeLibraryError):  # probing again: no second warning
+        nativelibs.locate("libengram_cpu.so")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{lib} does not load (") and "make kernels-cpu" in msg, msg
+    assert len(caplog.records) == 1 and caplog.records[0].levelname == "WARNING"
+
+
 def test_no_compiler_is_one_line_saying_what_to_do(nowhere, monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(nowhere / "empty"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -91,12 +92,42 @@ def locate(name: str) -> Path:
     Raises NativeLibraryError with one line saying where it looked and what to do."""
     path = find(name)
     if path is not None:
+        if name in HOST_LIBS:
+            _check_loads(path, f"rebuild it (`make {_MAKE_TARGET[name]}`) or delete it")
         return path
     where = ", ".join(str(d) for d in search_dirs())
     if name not in HOST_LIBS:
         raise NativeLibraryError(f"{name} not built: not in {where} (run `make kernels`, "
                                  f"or set ENGRAM_KERNELS_DIR to the directory holding it)")
     return build_host_library(name, where)
+
+
+_MAKE_TARGET = {"libengram_cpu.so": "kernels-cpu", "libengram_rowio.so": "rowio"}
+_log = logging.getLogger("engram_sglang")
+_warned: set = set()
+
+
+def _load_error(path: Path) -> Optional[str]:
+    """Why the dynamic loader refuses `path` (a truncated or corrupt file), or None."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(str(path))
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _check_loads(path: Path, fix: str) -> None:
+    """A host library that does not load is one line naming it and the fix, logged once as a
+    WARNING too: a gather backend falls back to torch on it, which must not pass silently."""
+    why = _load_error(path)
+    if why is not None:
+        message = f"{path} does not load ({why}): {fix}"
+        if path not in _warned:  # backend probing asks again: one warning per file and process
+            _warned.add(path)
+            _log.warning("engram-sglang: %s", message)
+        raise NativeLibraryError(message)
 
 
 def read_flags(path: Path) -> dict[str, list[str]]:
@@ -151,14 +182,16 @@ def build_host_library(name: str, where: str = "") -> Path:
     digest.update(" ".join(cxx + flags).encode())
     out_dir = cache_root() / f"{__version__}-{digest.hexdigest()[:12]}"
     out = out_dir / name
-    if out.is_file():
+    if out.is_file() and _load_error(out) is None:
         return out
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(out_dir / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if out.is_file():  # another process built it while this one waited
-                return out
+            if out.is_file():  # another process built it while this one waited, or a corrupt one
+                if _load_error(out) is None:
+                    return out
+                _log.warning("engram-sglang: %s does not load (a corrupt cached build): building it again", out)
             fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
             os.close(fd)
             cmd = [*cxx, *flags, "-shared", "-o", tmp, str(src / source)]
@@ -172,6 +205,8 @@ def build_host_library(name: str, where: str = "") -> Path:
                 raise NativeLibraryError(f"{name}: building it on first use with {cxx[0]} failed: {first.strip()} "
                                          f"(full log: {log})")
             os.replace(tmp, out)  # whole or absent: a process that finds it never loads half a file
+            _check_loads(out, f"delete {out_dir} and retry, or set ENGRAM_KERNELS_DIR to a directory holding a "
+                              f"built {name}")
     except OSError as e:
         raise NativeLibraryError(f"{name}: cannot build it into {out_dir}: {e.strerror or e} (set XDG_CACHE_HOME "
                                  f"to a writable directory, or ENGRAM_KERNELS_DIR to one holding a built {name})") \

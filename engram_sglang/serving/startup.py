@@ -33,7 +33,10 @@ def resolve_table_dir(settings: ServeSettings, model_path: Optional[str], *, req
     that default whether it exists or not (opening it says what is missing), refused without
     a model path. Else (a checkpoint that may carry its own tables): None where it is absent."""
     if settings.table_dir:
-        return Path(settings.table_dir)
+        path = Path(settings.table_dir)
+        if path.exists() and not path.is_dir():  # a file or FIFO: "does not exist" would mislead
+            raise EngramError(f"--engram-table-dir {path} is not a directory: pass the packed table directory")
+        return path
     default = Path(model_path) / DEFAULT_TABLE_DIR if model_path else None
     if not required:
         return default if default is not None and default.is_dir() else None

@@ -132,9 +132,54 @@ def _demo_placements(text: str) -> tuple[str, ...]:
     return names
 
 
+# Commands whose modules import torch (directly or through the core's hashing): registered by
+# name and help line only, their module imported when the command is the one run, so that
+# `engram-sglang --help`, `tables ...` and usage errors start without torch (~2 s).
+# name -> (module of its add_parser, the help line that add_parser gives; a test compares them)
+LAZY_COMMANDS = {
+    "demo-model": (".demo.model", "build the small Qwen3 + Engram demo model locally (no downloads)"),
+    "plan": (".planner", "plan capacity: table bytes, HBM freed, KV gained, smallest TP, host DRAM, /dev/shm"),
+    "profile": (".profiling", "profile Engram row hotness on a text corpus (pre-warms the hot-row cache)"),
+    "ablate": (".analysis.ablate",
+               "teacher-forced bits/token with Engram on, off and on the answer span only (a real server)"),
+    "scan": (".analysis.scan",
+             "per Engram layer and n-gram order: highest-gate n-grams, most-read rows, their rank correlation"),
+}
+
+
+class _LazyCommandParser(argparse.ArgumentParser):
+    """A command's parser that its module's add_parser builds on first use (parsing or help);
+    with no `module`, a plain parser (every parser of build_parser is of this class)."""
+
+    def __init__(self, *args, module: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._module, self._real = module, None
+
+    def load(self) -> argparse.ArgumentParser:
+        if self._real is None:
+            import importlib
+
+            parent, _, name = self.prog.rpartition(" ")
+            holder = argparse.ArgumentParser(prog=parent).add_subparsers(prog=parent)
+            importlib.import_module(self._module, __package__).add_parser(holder)
+            self._real = holder.choices[name]
+        return self._real
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._module:  # an eager command (tables, shm, demo): a plain parser
+            return super().parse_known_args(args, namespace)
+        return self.load().parse_known_args(args, namespace)
+
+    def format_help(self):
+        return self.load().format_help() if self._module else super().format_help()
+
+    def format_usage(self):
+        return self.load().format_usage() if self._module else super().format_usage()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engram-sglang", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_LazyCommandParser)
 
     tables = sub.add_parser("tables", help="packed table files").add_subparsers(dest="tables_command", required=True)
     p = tables.add_parser("convert", help="pack a safetensors checkpoint's Engram tables into a table directory")
@@ -179,22 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first one compared with Engram off (default: disk,host,device)")
     p.set_defaults(func=_cmd_demo)
 
-    from .demo.model import add_parser as add_demo_model_parser
-
-    add_demo_model_parser(sub)
-
-    from . import planner
-
-    planner.add_parser(sub)
-
-    from . import profiling
-
-    profiling.add_parser(sub)
-
-    from .analysis import ablate, scan
-
-    ablate.add_parser(sub)
-    scan.add_parser(sub)
+    for name, (module, help_text) in LAZY_COMMANDS.items():
+        sub.add_parser(name, help=help_text, module=module)
     return parser
 
 

@@ -28,6 +28,7 @@ from ..core.config import EngramConfig
 from ..core.errors import EngramError
 from ..core.hashing import EngramLayout, NgramHasher
 from ..core.profile_format import FORMAT, MAX_PROFILE_ROWS, Profile, ProfileLayer, read_profile, write_profile_rows  # noqa: F401  (re-exported)
+from .outputs import check_output
 
 DECODE_BATCH = 256  # concurrent requests of a decode step, one token each
 SHARES = (0.001, 0.01, 0.05)  # hottest shares of rows reported
@@ -271,6 +272,9 @@ def run_profile(model_dir, corpus: Sequence[str], out, *, streams: int = DECODE_
     t0 = time.perf_counter()
     file = file or sys.stdout
     check_inputs(streams, max_tokens, keep_share)
+    check_output(out, "--out")  # before minutes of counting, not after
+    if trace_out is not None:
+        check_output(trace_out, "--trace")
     cfg = EngramConfig.from_pretrained(model_dir)
     check_memory(cfg, EngramLayout(cfg))
     tokenizer = load_tokenizer(model_dir)

@@ -72,6 +72,15 @@ def test_the_deepseek_hook_starts_through_open_runtime(calls, tmp_path):
 
 
 # ------------------------------------------------------------------ what it does
+def test_a_table_dir_flag_naming_a_file_or_fifo_is_not_a_directory(tmp_path):
+    import os
+    (tmp_path / "f").write_text("x")
+    os.mkfifo(tmp_path / "p")
+    for name in ("f", "p"):
+        with pytest.raises(EngramError, match=f"--engram-table-dir {tmp_path / name} is not a directory"):
+            startup.resolve_table_dir(ServeSettings(table_dir=str(tmp_path / name)), None)
+
+
 def test_the_table_directory_is_the_flag_else_the_models_default(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

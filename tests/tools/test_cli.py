@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -347,3 +348,96 @@ def test_a_commands_own_oserror_is_not_taken_for_stdout(monkeypatch, capsys, tmp
         with pytest.raises(type(error)):
             main(["tables", "inspect", str(tmp_path)])
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------ start-up: no torch before a command runs
+@pytest.mark.parametrize("argv", [["--help"], ["tables", "inspect"], ["scan"], ["no-such-command"]],
+                         ids=lambda a: " ".join(a))
+def test_help_and_usage_errors_do_not_import_torch(argv):
+    code = ("import sys\nfrom engram_sglang.tools.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nsys.stderr.write('torch imported: %s\\n' % ('torch' in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.endswith("torch imported: False\n"), proc.stderr
+
+
+def test_lazy_commands_help_lines_are_their_modules():
+    """The help line cli.py lists for a command imported on use is the one its add_parser gives."""
+    import argparse
+    import importlib
+
+    from engram_sglang.tools import cli
+
+    for name, (module, help_text) in cli.LAZY_COMMANDS.items():
+        sub = argparse.ArgumentParser(prog="engram-sglang").add_subparsers()
+        importlib.import_module(module, "engram_sglang.tools").add_parser(sub)
+        (action,) = [a for a in sub._choices_actions if a.dest == name]
+        assert action.help == help_text, name
+
+
+# ------------------------------------------------------------ output targets: refused before the run
+def _output_cases(t):
+    """(argv, the target named in the one line) of unwritable output targets; the model does not
+    exist, so a target found only after loading it (or at the end of the run) fails the case."""
+    (t / "a-file").write_text("x")
+    (t / "a-dir").mkdir()
+    corpus = str(t / "a-file")
+    nope = str(t / "no-model")
+    return [
+        (["profile", "--model", nope, corpus, "--out", str(t / "a-file" / "x.npz")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "missing" / "d" / "x.npz")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "a-dir")], "--out"),
+        (["profile", "--model", nope, corpus, "--out", str(t / "x.npz"), "--trace", str(t / "a-dir")], "--trace"),
+        (["scan", "--model", nope, corpus, "--gate-stats", str(t / "a-dir")], "--gate-stats"),
+        (["scan", "--model", nope, corpus, "--json", str(t / "a-file" / "x.json")], "--json"),
+        (["ablate", "--model", nope, "--domain", f"d={corpus}", "--png", str(t / "a-dir")], "--png"),
+        (["ablate", "--model", nope, "--domain", f"d={corpus}", "--json", str(t / "missing" / "x.json")], "--json"),
+    ]
+
+
+def test_output_targets_are_checked_before_the_run(tmp_path, capsys):
+    for argv, flag in _output_cases(tmp_path):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"engram-sglang: error: {flag} "), (argv, err)
+    assert not (tmp_path / "missing").exists()  # profile --out under a missing directory made none
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file"] and not any((tmp_path / "a-dir").iterdir())
+
+
+def test_check_output_says_what_is_wrong(tmp_path):
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.tools.outputs import check_output
+
+    (tmp_path / "f").write_text("x")
+    assert check_output(tmp_path / "new.npz", "--out") == tmp_path / "new.npz"
+    assert check_output(tmp_path / "d" / "e" / "m", "", directory=True, parents=True) == tmp_path / "d" / "e" / "m"
+    for path, kw, want in ((tmp_path / "f" / "x", {}, f"{tmp_path / 'f'} is not a directory"),
+                           (tmp_path / "f" / "s" / "x", {}, f"{tmp_path / 'f'} is not a directory"),
+                           (tmp_path / "m" / "x", {}, f"no such directory {tmp_path / 'm'}"),
+                           (tmp_path, {}, "is a directory"),
+                           (tmp_path / "f", {"directory": True}, "exists and is not a directory")):
+        with pytest.raises(EngramError, match=re.escape(want)):
+            check_output(path, "--out", **kw)
+
+
+# ------------------------------------------------------------ tables convert: the output path
+def test_convert_into_dot_and_dotdot_paths_and_long_names(tmp_path, rng, monkeypatch, capsys):
+    ckpt, rows = checkpoint(tmp_path, rng)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["tables", "convert", "../ckpt", "."]) == 0  # `.` is replaced: the summary reads what was written
+    assert "layer   2:" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert main(["tables", "convert", str(ckpt), "./sub/../sub2"]) == 0  # no `sub`: the kernel cannot walk `..`
+    assert "layer   2:" in capsys.readouterr().out and np.array_equal(open_tables(tmp_path / "sub2")[2], rows.numpy())
+    for n in (235, 255):  # the longest names the filesystem takes; the hidden sibling must still fit
+        assert main(["tables", "convert", str(ckpt), "t" * n]) == 0, capsys.readouterr().err
+        assert np.array_equal(open_tables(tmp_path / ("t" * n))[2], rows.numpy())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no sibling left
+
+
+def test_convert_under_a_file_says_it_is_not_a_directory(tmp_path, rng, capsys):
+    ckpt, _ = checkpoint(tmp_path, rng)
+    (tmp_path / "f").write_text("x")
+    assert main(["tables", "convert", str(ckpt), str(tmp_path / "f" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'f'} is not a directory" in err and "File exists" not in err, err

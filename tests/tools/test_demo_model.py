@@ -65,3 +65,67 @@ def test_refuses_to_overwrite_and_cli_parser(tmp_path):
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo-model", str(tmp_path / "y"), "--overwrite"])
     assert args.out_dir == str(tmp_path / "y") and args.overwrite and callable(args.func)
+
+
+# ------------------------------------------------------------ targets it cannot write: one line, nothing left
+class _Run:
+    def __init__(self, returncode, stderr):
+        self.returncode, self.stderr = returncode, stderr
+
+
+@pytest.fixture
+def _demo_model_cli(capsys):
+    from engram_sglang.tools.cli import main
+
+    def run(target):
+        try:
+            code = main(["demo-model", str(target)])
+        except Exception as e:  # a traceback in a real run
+            code = repr(e)
+        return _Run(code, capsys.readouterr().err)
+    return run
+
+
+def _one_line(run):
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, (run.returncode, run.stderr)
+    return run.stderr
+
+
+def test_onto_a_file_is_one_line(tmp_path, _demo_model_cli):
+    (tmp_path / "f").write_text("x")
+    assert "exists and is not a directory" in _one_line(_demo_model_cli(tmp_path / "f"))
+    assert "is not a directory" in _one_line(_demo_model_cli(tmp_path / "f" / "model"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped where it cannot be mounted), unmounted afterwards."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_read_only_filesystem_is_one_line_and_nothing_left(tiny_tmpfs, _demo_model_cli):
+    import subprocess
+
+    if subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], capture_output=True).returncode != 0:
+        pytest.skip("cannot remount the tmpfs read-only")
+    assert "not writable" in _one_line(_demo_model_cli(tiny_tmpfs / "model"))
+    assert list(tiny_tmpfs.iterdir()) == []
+
+
+def test_a_full_filesystem_is_one_line_and_nothing_left(tiny_tmpfs, _demo_model_cli):
+    assert "No space left on device" in _one_line(_demo_model_cli(tiny_tmpfs / "model"))
+    assert list(tiny_tmpfs.iterdir()) == []  # no partial model directory, no hidden sibling

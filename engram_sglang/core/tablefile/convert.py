@@ -99,7 +99,8 @@ def convert_checkpoint(
 
     Every tensor's shard, dtype and shape are checked before anything is written, and the
     tables are written beside `out_dir` and swapped in only when complete (write_tables):
-    a checkpoint that fails leaves an existing `out_dir` as it was."""
+    a checkpoint that fails leaves an existing `out_dir` as it was. Returns the directory
+    written, resolved (`out_dir` "." names the old, replaced directory afterwards)."""
     from safetensors import safe_open
 
     ckpt = Path(ckpt_dir)
@@ -122,7 +123,20 @@ def convert_checkpoint(
             found[kind] = (name, where[name])
         _check_tensors(found, layout.rows(layer_id), safe_open)
         sources[layer_id] = _layer_chunks(found, layout.rows(layer_id), chunk_rows, safe_open)
-    return write_tables(out_dir, cfg, sources, chunk_rows=CHUNK_ROWS, progress=progress)
+    # The path written, resolved now: `.` or `sub/../x` may name another directory after the swap.
+    written = Path(os.path.realpath(out_dir))
+    _check_out_parent(Path(out_dir), written)
+    write_tables(out_dir, cfg, sources, chunk_rows=CHUNK_ROWS, progress=progress)
+    return written
+
+
+def _check_out_parent(out: Path, written: Path) -> None:
+    """The output's nearest existing ancestor must be a directory (`FILE/out`)."""
+    for parent in written.parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise TableFormatError(f"{out}: {parent} is not a directory; name a table directory in a directory")
+            return
 
 
 def _layer_tensors(found):

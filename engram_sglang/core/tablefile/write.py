@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -63,7 +64,7 @@ def write_tables(
     _check_target(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-{os.getpid()}-", dir=target.parent))
+        work = Path(tempfile.mkdtemp(prefix=_sibling_prefix(target, "writing"), dir=target.parent))
     except OSError as e:
         raise TableFormatError(f"{out}: cannot create a table directory there ({e.strerror})") from None
     try:
@@ -74,6 +75,13 @@ def write_tables(
         shutil.rmtree(work, ignore_errors=True)
         raise
     return out
+
+
+def _sibling_prefix(target: Path, what: str) -> str:
+    """A hidden sibling's name prefix: a hash of the target's name, not the name itself, so that
+    any name the filesystem takes (255 bytes) leaves room for the sibling's (~40 bytes)."""
+    digest = hashlib.sha1(os.fsencode(target.name)).hexdigest()[:12]
+    return f".engram-{digest}.{what}-{os.getpid()}-"
 
 
 def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress) -> None:
@@ -162,7 +170,7 @@ def _swap_in(work: Path, target: Path) -> None:
             elif _exchange(work, target):
                 pass  # `work` now holds the old directory
             else:
-                aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
+                aside = Path(tempfile.mkdtemp(prefix=_sibling_prefix(target, "old"), dir=target.parent))
                 os.rename(target, aside / "old")
                 os.rename(work, target)
                 work.mkdir()  # the caller's clean-up removes `work`: let it hold the old one

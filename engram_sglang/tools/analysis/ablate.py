@@ -115,8 +115,12 @@ def _engram_flag(text: str) -> tuple[str, str]:
 
 
 def cmd_ablate(args) -> int:
+    from ..outputs import check_output
     from ..profiling import load_tokenizer
 
+    for flag, target in (("--json", args.json), ("--png", args.png)):
+        if target:  # before the scoring (and a server start) of minutes
+            check_output(target, flag)
     domains = [parse_domain(d) for d in args.domain or ()]
     if not 1 <= args.concurrency <= 1024:
         raise EngramError(f"--concurrency must be from 1 to 1024, got {args.concurrency}")

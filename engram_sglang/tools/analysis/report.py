@@ -111,7 +111,7 @@ def plot(path: str | os.PathLike, rows: Sequence[dict], title: str) -> Path:
     fig.tight_layout()
     path = Path(path)
     try:
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, format="png")  # the name given, no .png appended
     except OSError as e:
         raise EngramError(f"{path}: cannot write the PNG ({e.strerror})") from None
     finally:

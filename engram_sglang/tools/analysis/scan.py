@@ -217,9 +217,16 @@ def zip_longest(a, b):
 # ------------------------------------------------------------------------ command
 def cmd_scan(args) -> int:
     from ...models.reference import ReferenceModel
+    from ..outputs import check_output
     from ..profiling import corpus_files, load_tokenizer
     from .report import write_json
+    from .skip import gate_stats_path
 
+    if args.json:
+        check_output(args.json, "--json")
+    if args.gate_stats:
+        check_output(args.gate_stats, "--gate-stats")
+        check_output(gate_stats_path(args.gate_stats), "--gate-stats")
     files = corpus_files(args.corpus)
     tokenizer = load_tokenizer(args.model)
     reference = ReferenceModel(args.model, args.table_dir or Path(args.model) / DEFAULT_TABLE_DIR, tokenizer=tokenizer)

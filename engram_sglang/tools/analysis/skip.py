@@ -34,9 +34,13 @@ def write_gate_stats(path: str | os.PathLike, corpus, layer_ids: Sequence[int], 
         arrays[f"rows_{L}"] = rows.astype(np.int64)
         arrays[f"gate_{L}"] = (np.bincount(inv.reshape(-1), weights=g, minlength=len(rows)) / reads).astype(np.float32)
         arrays[f"reads_{L}"] = reads.astype(np.int64)
+    return write_record(gate_stats_path(path), GATE_STATS, arrays, {"fingerprint": fingerprint, **meta})
+
+
+def gate_stats_path(path: str | os.PathLike) -> Path:
+    """The file a gate-statistics target names: `.npz` appended to a name without it."""
     path = Path(path)
-    path = path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
-    return write_record(path, GATE_STATS, arrays, {"fingerprint": fingerprint, **meta})
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
 def read_gate_stats(path: str | os.PathLike, fingerprint: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:

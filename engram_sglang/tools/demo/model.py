@@ -162,22 +162,48 @@ def _tables(gen, texts, tokenizer, cfg: EngramConfig, embed: torch.Tensor, rotat
 
 def build_demo_model(out_dir: str | os.PathLike, *, overwrite: bool = False, progress: bool = False) -> Path:
     """Write the demo model into `out_dir`: config.json, model.safetensors, tokenizer files,
-    and the packed Engram tables in `out_dir/engram_tables/`. Returns `out_dir`."""
+    and the packed Engram tables in `out_dir/engram_tables/`. Returns `out_dir`.
+
+    Written into a hidden sibling and renamed into place when complete: a failure (a full or
+    read-only filesystem, an interrupt) removes the sibling and leaves `out_dir` as it was."""
+    import tempfile
+
+    from safetensors import SafetensorError
+
+    from ...core.errors import EngramError
+    from ..outputs import check_output
+
+    out = Path(out_dir)
+    check_output(out, "", directory=True, parents=True)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise EngramError(f"{out}: exists and is not empty; pass --overwrite to rebuild the demo model there")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".engram-demo-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise EngramError(f"{out}: cannot write the demo model there ({e.strerror or e})") from None
+    try:
+        _write_model(work, Path(os.path.abspath(out)) / "config.json", progress)
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.rename(work, out)
+    except (OSError, SafetensorError) as e:  # safetensors' write errors (ENOSPC) are not OSErrors
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise EngramError(f"{out}: cannot write the demo model ({why}); nothing was left") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # gone after the rename; a partial model on failure
+    return out
+
+
+def _write_model(out: Path, config_source: Path, progress: bool) -> None:
+    """The demo model's files, into directory `out` (its config names `config_source`)."""
     from safetensors.torch import save_file
 
     from ...core.tablefile import write_tables
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            from ...core.errors import EngramError
-
-            raise EngramError(f"{out}: exists and is not empty; pass --overwrite to rebuild the demo model there")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
     texts = demo_corpus()
     tokenizer = train_tokenizer(texts, VOCAB)
-    cfg = _engram_config(tokenizer, source=str(out / "config.json"))
+    cfg = _engram_config(tokenizer, source=str(config_source))
     # Name the row counts, as config.json does: the tables' fingerprint covers them.
     cfg = dataclasses.replace(cfg, num_embeddings=EngramLayout(cfg).num_embeddings)
     gen = torch.Generator().manual_seed(DEMO_SEED)
@@ -189,7 +215,6 @@ def build_demo_model(out_dir: str | os.PathLike, *, overwrite: bool = False, pro
     tokenizer.save_pretrained(str(out))
     write_tables(out / TABLE_DIR_NAME, cfg, tables, progress=progress)
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}) + "\n")
-    return out
 
 
 # ------------------------------------------------------------------------- CLI
