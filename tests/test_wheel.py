@@ -79,7 +79,10 @@ def test_host_library_is_built_on_first_use_once(nowhere):
 
 def test_a_corrupt_cached_build_is_rebuilt_once(nowhere):
     path = nativelibs.locate(HOST_LIB)
-    path.write_bytes(b"\x7fELF garbage")  # a truncated or corrupt build (a full disk, a crash)
+    # A new file at the name (a truncated or corrupt build: a full disk, a crash). Never write over
+    # the old one in place: this process has it mapped, and its pages past the new end would SIGBUS.
+    path.unlink()
+    path.write_bytes(b"\x7fELF garbage")
     # A fresh process: this one has the good build loaded, and dlopen would hand that back.
     code = ("import logging, sys\nfrom pathlib import Path\nfrom engram_sglang.core import nativelibs\n"
             "logging.basicConfig(format='%(levelname)s %(message)s')\n"
