@@ -277,14 +277,53 @@ def test_every_command_has_a_stdout_case():
     assert _leaf_commands(build_parser()) == set(STDOUT_CASES) - {()}
 
 
+def _main_on(stdout_file, argv):
+    """main(argv) in this process with standard output on `stdout_file` (a real descriptor;
+    None: as it is, pytest's capture)."""
+    saved = sys.stdout
+    sys.stdout = stdout_file or saved
+    try:
+        return main(argv)
+    except SystemExit as e:  # --help: argparse exits after the guard flushed (or failed)
+        return e.code or 0
+    finally:
+        sys.stdout = saved
+        if stdout_file is not None:
+            stdout_file.close()
+
+
+def _closed_pipe_file():
+    read, write = os.pipe()
+    os.close(read)  # the reader left, as after `| head -1`: a write gets EPIPE (Python ignores SIGPIPE)
+    return os.fdopen(write, "w")
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("command", list(STDOUT_CASES), ids=lambda c: " ".join(c) or "engram-sglang")
-def test_stdout_full_is_one_line_exit_2_and_closed_pipe_is_quiet_141(command, tmp_path):
+def test_stdout_full_is_one_line_exit_2_and_closed_pipe_is_quiet_141(command, tmp_path, capsys):
+    """Every command, in this process (cheap): its output on a real /dev/full and a real pipe
+    without a reader. How the interpreter ends after it is checked below on three as processes."""
     from engram_sglang.tools.cli import EXIT_BROKEN_PIPE
 
     assert EXIT_BROKEN_PIPE == 141
     make = STDOUT_CASES[command]
     # The case prints when stdout can be written: the failures below are the guard's, not the case's.
+    assert _main_on(None, make(tmp_path, 0)) == 0
+    ok = capsys.readouterr()
+    assert ok.out.strip(), ok.err
+    assert _main_on(open("/dev/full", "w"), make(tmp_path, 1)) == 2
+    _check_dev_full(2, capsys.readouterr().err)
+    assert _main_on(_closed_pipe_file(), make(tmp_path, 2)) == 141
+    _check_closed_pipe(141, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [(), ("plan",), ("tables", "convert")], ids=lambda c: " ".join(c) or "engram-sglang")
+def test_as_a_process_stdout_full_is_one_line_exit_2_and_closed_pipe_is_quiet_141(command, tmp_path):
+    """The same as real processes: nothing buffered fails again at the interpreter's exit (a
+    second message, exit 120, "Exception ignored ... BrokenPipeError"). --help (no torch), one
+    command that prints a report, one that writes files."""
+    make = STDOUT_CASES[command]
     ok = subprocess.run(CLI + make(tmp_path, 0), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.strip(), (ok.returncode, ok.stderr)
     full, pipe = _into_dev_full(CLI + make(tmp_path, 1)), _into_closed_pipe(CLI + make(tmp_path, 2))
