@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 from ..core.config import DEFAULT_TABLE_DIR
 from ..core.errors import EngramConfigError
+from ..core.fileio import READ_RETRIES
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.placement_table import placement as placement_spec
 
@@ -77,7 +78,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("disk-threads", "int", 64, "disk placement: row reads in flight", low=1, high=MAX_DISK_THREADS,
          high_why="reads in flight"),
     Knob("disk-direct", "bool", False, "disk placement: O_DIRECT reads instead of the page cache"),
-    Knob("disk-retries", "int", 2, "disk placement: retries of a failed read before the request fails"),
+    Knob("disk-retries", "int", READ_RETRIES, "disk placement: retries of a failed read before the request fails"),
     Knob("disk-native-step", "bool", True, "disk placement: each layer's step in one native call (dedupe, DRAM-cache "
          "lookup, reads, admission; on the CPU the decode); off: the numpy path, the same-run baseline"),
     Knob("disk-dram-cache-mib", "int", 0, "disk placement: MiB of host memory (all Engram layers of a rank) for a "

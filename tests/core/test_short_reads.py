@@ -111,7 +111,7 @@ def fill(table, nbytes=None, offset=DATA_OFFSET):
     nbytes = nbytes if nbytes is not None else os.path.getsize(path) - offset
     m = mmap.mmap(-1, nbytes)
     try:
-        hostmem._fill(m, path, offset, nbytes)
+        hostmem.fill_from_file(m, path, offset, nbytes)
         return bytes(m), path.read_bytes()[offset:offset + nbytes]
     finally:
         m.close()
@@ -167,7 +167,7 @@ def test_fill_of_a_truncated_file_ends_early(table, tmp_path):
     m = mmap.mmap(-1, size - DATA_OFFSET)
     try:
         with pytest.raises(TableIOError, match=re.escape(f"{cut}: the file ends early at byte {size - 1000:,} of {size:,} ")):
-            hostmem._fill(m, cut, DATA_OFFSET, size - DATA_OFFSET)
+            hostmem.fill_from_file(m, cut, DATA_OFFSET, size - DATA_OFFSET)
     finally:
         m.close()
 
@@ -183,3 +183,42 @@ def test_host_placement_load_fails_in_one_line_and_leaves_no_copy(table, tmp_pat
     assert "\n" not in msg and "into host memory failed after 3 tries (Input/output error)" in msg
     # No table file, not even a half-filled temporary one: only the shared copy's sidecars.
     assert not [p for p in tmp_path.iterdir() if not p.name.endswith((".lock", ".users"))]
+
+
+# ---------------------------------------------------------------- the device placement's load
+def test_device_placement_load_tries_transient_errors_again_and_is_exact(table, monkeypatch):
+    from engram_sglang.core.stores import open_store
+
+    errs = [errno.EIO, errno.EAGAIN]  # READ_RETRIES more tries after the first
+    monkeypatch.setattr(os, "preadv", failing(_real_preadv, errs))
+    L = CFG.layer_ids[0]
+    store = open_store(table, "device", cfg=CFG)[L]
+    assert not errs  # every error was met and tried again
+    want = (table / layer_file_name(L)).read_bytes()[DATA_OFFSET:]
+    assert store.table.numpy().tobytes() == want
+
+
+def test_device_placement_load_eio_is_one_line_not_ended_early(table, monkeypatch):
+    from engram_sglang.core.stores import open_store
+
+    monkeypatch.setattr(os, "preadv", failing(_real_preadv, [errno.EIO] * 100))
+    with pytest.raises(TableIOError) as e:
+        open_store(table, "device", cfg=CFG)
+    msg = str(e.value)
+    assert "\n" not in msg and layer_file_name(CFG.layer_ids[0]) in msg
+    assert "into device memory failed after 3 tries (Input/output error)" in msg and "ends early" not in msg
+
+
+def test_device_upload_through_the_bounce_buffer_is_exact_in_every_chunk(table, monkeypatch):
+    """The GPU path's chunked upload, run on the CPU (bounce=True): chunks not a multiple of a
+    row, the last one short, short reads below it."""
+    from engram_sglang.core.stores import device
+
+    monkeypatch.setattr(device, "UPLOAD_CHUNK_BYTES", 10_007)
+    preadv, calls = short_preadv(4_000)
+    monkeypatch.setattr(os, "preadv", preadv)
+    L = CFG.layer_ids[0]
+    want = (table / layer_file_name(L)).read_bytes()[DATA_OFFSET:]
+    got = device._load_rows(table / layer_file_name(L), DATA_OFFSET, len(want) // 264, torch.device("cpu"), bounce=True)
+    assert got.shape == (len(want) // 264, 264) and got.numpy().tobytes() == want
+    assert len(calls) >= len(want) // 10_007

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
-from ..errors import EngramError
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
 from .base import WholeTableStore
+from .hostmem import fill_from_file
+
+# A GPU shard is read through a host bounce buffer of this size, so that loading a 47 GiB
+# shard (DeepSeek-V4.1-Flash at TP 4) needs 64 MiB of host RAM, not 47 GiB.
+UPLOAD_CHUNK_BYTES = 64 << 20
 
 
 class DeviceStore(WholeTableStore):
@@ -24,11 +27,26 @@ class DeviceStore(WholeTableStore):
     def __init__(self, layer_id, path, rows, row_range, device, backend):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         lo, hi = row_range
-        rows_np = np.fromfile(path, dtype=np.uint8, count=(hi - lo) * ROW_BYTES, offset=DATA_OFFSET + lo * ROW_BYTES)
-        if rows_np.size != (hi - lo) * ROW_BYTES:
-            raise EngramError(f"{path}: ended early while loading rows {lo}..{hi - 1} (truncated?)")
-        self.table = torch.from_numpy(rows_np.reshape(hi - lo, ROW_BYTES)).to(self.device)
+        self.table = _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, torch.device(self.device))
 
     @property
     def resident_bytes(self) -> int:
         return self.table.numel()
+
+
+def _load_rows(path, offset: int, n_rows: int, device: torch.device, bounce: Optional[bool] = None) -> torch.Tensor:
+    """n_rows packed rows of `path` from `offset` as a (n_rows, ROW_BYTES) uint8 tensor on
+    `device`: read in place on the CPU; through a bounce buffer of UPLOAD_CHUNK_BYTES on a GPU
+    (`bounce`: which, for tests). Short reads read on, transient errors are retried, a failure
+    names the file and offset."""
+    table = torch.empty((n_rows, ROW_BYTES), dtype=torch.uint8, device=device)
+    flat = table.view(-1)
+    if not (device.type != "cpu" if bounce is None else bounce):
+        fill_from_file(memoryview(flat.numpy()), path, offset, flat.numel(), into="device memory")
+        return table
+    bounce = torch.empty(min(UPLOAD_CHUNK_BYTES, flat.numel()), dtype=torch.uint8)
+    for start in range(0, flat.numel(), bounce.numel()):
+        n = min(bounce.numel(), flat.numel() - start)
+        fill_from_file(memoryview(bounce.numpy())[:n], path, offset + start, n, into="device memory")
+        flat[start:start + n].copy_(bounce[:n])  # synchronous from pageable memory: the bounce is reused next
+    return table

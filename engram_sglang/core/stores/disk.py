@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import EngramError
+from ..fileio import READ_BACKOFF_S, READ_RETRIES
 from ..ops import gather_dequant
 from ..rowformat import ROW_BYTES, ROW_VALUES
 from ..tablefile import DATA_OFFSET
@@ -64,7 +65,7 @@ class DiskStore(TableStore):
     placement = "disk"  # (its ids visit the host: needs_host_ids, from the placement table)
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
-                 retries: int = 2, dram_cache_bytes: int = 0, native_step: bool = True):
+                 retries: int = READ_RETRIES, dram_cache_bytes: int = 0, native_step: bool = True):
         super().__init__(layer_id, path, rows, row_range, device, backend)
         if threads < 1:
             raise EngramError(f"disk store: threads must be >= 1, got {threads}")
@@ -431,7 +432,7 @@ class DiskStore(TableStore):
                 return staging
             logger.warning("engram layer %d: reading %s failed (%s), try %d of %d", self.layer_id, self.path,
                            _strerror(err), attempt + 1, self.retries + 1)
-            time.sleep(0.01 * (attempt + 1))
+            time.sleep(READ_BACKOFF_S * (attempt + 1))  # the back-off every table read uses (core/fileio)
         METRICS.error(self)
         # Which rows fail? One read each (an error path only): the others are served, the
         # requests that needed a failed row are failed by the caller.

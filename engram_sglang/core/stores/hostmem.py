@@ -95,13 +95,13 @@ class HostTable:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._advise_huge(self.map)
             numa.bind(self.map, binding)  # before the fill touches the first page
-            _fill(self.map, source, source_offset, nbytes)
+            fill_from_file(self.map, source, source_offset, nbytes)
             self._collapse()
         else:
             if shared.nbytes != nbytes:
                 raise ValueError(f"a shared copy holds the whole layer ({shared.nbytes} bytes), not {nbytes}")
             self.shared = shmcopy.SharedCopy(
-                shared, lambda m, progress: _fill(m, source, source_offset, nbytes, progress), self._advise_huge,
+                shared, lambda m, progress: fill_from_file(m, source, source_offset, nbytes, progress), self._advise_huge,
                 read_only=read_only)
             self.map, self.shm_path = self.shared.map, self.shared.path
         self.address = _address_of(self.map)
@@ -140,14 +140,14 @@ def _address_of(m: mmap.mmap) -> int:
     return np.frombuffer(m, dtype=np.uint8).ctypes.data
 
 
-def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int, progress=None) -> None:
-    """Copy nbytes of `source` from `offset` into the mapping, dropping the file's page cache
-    behind us (the table would otherwise sit in RAM twice); `progress(bytes done)` after each
-    chunk."""
+def fill_from_file(dst, source: Path, offset: int, nbytes: int, progress=None, into: str = "host memory") -> None:
+    """Copy nbytes of `source` from `offset` into `dst` (a mapping, or any writable buffer),
+    dropping the file's page cache behind us (the table would otherwise sit in RAM twice);
+    `progress(bytes done)` after each chunk; `into` names the destination in errors."""
     try:
         fd = os.open(source, os.O_RDONLY)
     except OSError as e:
-        raise TableIOError(f"{source}: cannot open the layer file to load it into host memory ({e.strerror})") from None
+        raise TableIOError(f"{source}: cannot open the layer file to load it into {into} ({e.strerror})") from None
     view = memoryview(dst)
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
@@ -159,12 +159,12 @@ def _fill(dst: mmap.mmap, source: Path, offset: int, nbytes: int, progress=None)
                     n = retry_transient(lambda: os.preadv(fd, [chunk], offset + done))
             except OSError as e:
                 raise TableIOError(
-                    f"{source}: reading {want:,} bytes at offset {offset + done:,} into host memory failed "
+                    f"{source}: reading {want:,} bytes at offset {offset + done:,} into {into} failed "
                     f"{tries_text(e)} ({e.strerror}); check the device (dmesg) and restart") from None
             if n <= 0:
                 raise TableIOError(
                     f"{source}: the file ends early at byte {offset + done:,} of {offset + nbytes:,} while loading "
-                    f"rows into host memory (truncated?); restore the table and restart")
+                    f"rows into {into} (truncated?); restore the table and restart")
             os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
             done += n
             if progress is not None:
