@@ -60,6 +60,7 @@ def main() -> int:
     # The trace: every stream's ids of the steps the store reads, in decode order (what
     # `engram-sglang profile --trace` writes), then read back as the planner reads it.
     ids = torch.stack([s[: W + M, 0] for s in streams], dim=1).numpy()  # [steps, streams, 24]
+    OUT.mkdir(parents=True, exist_ok=True)
     trace_path = planner_disk.write_trace(OUT / "plan_check_trace.npz", cfg.fingerprint(), {layer: ids},
                                           {"streams": len(streams), "steps": W + M, "kind": args.kind})
     trace, _ = planner_disk.read_trace(trace_path, cfg.fingerprint())

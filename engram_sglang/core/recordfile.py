@@ -77,7 +77,8 @@ def _why(e: BaseException) -> str:
 # ------------------------------------------------------------------------ write
 def write_record(path: str | os.PathLike, fmt: RecordFormat, arrays: Mapping[str, np.ndarray], meta: Mapping) -> Path:
     """Write `arrays` and `meta` (JSON-serializable; "format" is set to `fmt.tag`, first)
-    to `path` atomically. A failure to write is `fmt.error` with one line; the target is then
+    to `path` (in an existing directory: a missing one is an error, not made) atomically. A
+    failure to write is `fmt.error` with one line; the target is then
     untouched and no temporary file is left."""
     path = Path(path)
     entries = {}
@@ -94,7 +95,6 @@ def write_record(path: str | os.PathLike, fmt: RecordFormat, arrays: Mapping[str
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "is a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
         # O_EXCL: a name nobody else writes; 0o666 less the umask, as a plain open would give.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         created = True

@@ -45,7 +45,7 @@ def one_line(e: pytest.ExceptionInfo, path) -> str:
 # ------------------------------------------------------------------------ round trip
 def test_round_trip_keeps_arrays_and_meta_format_first(tmp_path):
     arrays = {"a": np.arange(5, dtype=np.int32), "b": np.float32(2.5), "c": np.zeros((2, 0), np.int64)}
-    path = write_record(tmp_path / "sub" / "r.npz", FMT, arrays, {"x": 1, "format": "ignored"})
+    path = write_record(tmp_path / "r.npz", FMT, arrays, {"x": 1, "format": "ignored"})
     with read_record(path, FMT, required=("a", "b")) as r:
         assert list(r.meta) == ["format", "x"] and r.meta == {"format": "engram-test-v2", "x": 1}
         assert sorted(r.files) == ["a", "b", "c"]
@@ -106,6 +106,13 @@ def test_a_failed_rename_leaves_no_temporary(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(EngramError, match="Permission denied"):
         write_record(tmp_path / "r.npz", FMT, {"a": np.arange(3)}, {})
+    assert not list(tmp_path.iterdir())
+
+
+def test_writing_into_a_missing_directory_is_one_line_and_makes_none(tmp_path):
+    with pytest.raises(EngramError) as e:
+        write_record(tmp_path / "no" / "such" / "r.npz", FMT, {"a": np.arange(3)}, {})
+    assert "cannot write the test record file (No such file or directory)" in one_line(e, tmp_path / "no")
     assert not list(tmp_path.iterdir())
 
 
