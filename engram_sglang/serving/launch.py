@@ -57,16 +57,19 @@ class Server:
     args : further SGLang flags.
     max_total_tokens : bounds the KV cache (SGLang would otherwise take most of the RAM).
     log_path : where the server's output goes (default: a file beside the model).
+    host : the address it listens on and is reached at.
+    wrap : a command the server runs under (e.g. `ip netns exec NS ...`: it must exec the rest
+        in the same process, so that the server's process group is this process's).
     """
 
     def __init__(self, model_path: str | os.PathLike, *, engram: Optional[dict] = None, args: Sequence[str] = (),
                  max_total_tokens: int = 8192, port: Optional[int] = None, log_path: Optional[str | os.PathLike] = None,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, host: str = "127.0.0.1", wrap: Sequence[str] = ()):
         self.model_path = str(model_path)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(self.model_path).parent / f"sglang-{self.port}.log"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+        cmd = [*wrap, sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", host,
                "--port", str(self.port), "--skip-server-warmup", "--max-total-tokens", str(max_total_tokens)]
         self.env = dict(os.environ)
         if not has_gpu():

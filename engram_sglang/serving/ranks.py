@@ -8,7 +8,8 @@ from pathlib import Path
 
 # label -> SGLang's get_parallel() name. dp_rank/dp_size: the replica (--dp-size) and their
 # number; tp_rank is SGLang's, unique within a replica also under attention DP/CP (where the
-# runtime itself opens the tables as TP 1); attn_*: the attention DP group and CP rank.
+# runtime itself opens the tables as TP 1); attn_*: the attention DP group and CP rank;
+# node_rank (added below): which node of `--nnodes` the rank runs on.
 _FROM_SGLANG = (("tp_rank", "tp_rank"), ("tp_size", "tp_size"), ("dp_rank", "dp_rank"), ("dp_size", "dp_size"),
                 ("pp_rank", "pp_rank"), ("pp_size", "pp_size"), ("attn_dp_rank", "attn_dp_rank"),
                 ("attn_cp_rank", "attn_cp_rank"))
@@ -32,7 +33,19 @@ def rank_labels(tp_rank: int = 0, tp_size: int = 1) -> dict[str, int]:
             continue
         if isinstance(value, int) and not isinstance(value, bool):  # dp_rank None: no DP controller
             out[label] = value
+    out["node_rank"] = _node_rank()
     return out
+
+
+def _node_rank() -> int:
+    """This process's node (`--node-rank` of `--nnodes`); 0 outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        value = getattr(get_server_args(), "node_rank", 0)
+    except (ImportError, AttributeError, ValueError, RuntimeError):  # ValueError: not set in this process
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def stats_path(template: str, labels: dict[str, int]) -> Path:

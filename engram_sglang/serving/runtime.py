@@ -30,6 +30,7 @@ from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
+from .identity import agree_over_tp_group, serving_identity
 from .modes import SLOTS
 from .ranks import rank_labels, stats_path
 from .settings import ServeSettings
@@ -185,6 +186,13 @@ class EngramRuntime:
         self.step_hasher = step_hasher
         self.device, self.tp_rank, self.tp_size = torch.device(device), tp_rank, tp_size
         self.table_dir = table_dir
+        # Which rank this is (SGLang's ranks where it publishes them): every statistics entry
+        # and the stats file carry it, one file per rank (serving/ranks.py).
+        self.rank_labels = rank_labels(tp_rank, tp_size)
+        # Every TP rank (on every node) serves the same tables and output-changing settings,
+        # checked before any store opens (serving/identity.py).
+        self.identity = serving_identity(table_dir, settings)
+        agree_over_tp_group(self.identity, self.rank_labels["node_rank"])
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
                                  tp_size=tp_size, backend=settings.backend, agree=agree_over_tp,
                                  **settings.store_options())
@@ -209,9 +217,6 @@ class EngramRuntime:
         self._off_tokens = 0  # tokens with Engram off (serving/modes.py): they read no rows
         self._forward_seconds = self._engram_seconds = self._wait_seconds = 0.0
         self._layer_seconds, self._layer_calls = 0.0, 0
-        # Which rank this is (SGLang's ranks where it publishes them): every statistics entry
-        # and the stats file carry it, one file per rank (serving/ranks.py).
-        self.rank_labels = rank_labels(tp_rank, tp_size)
         self._stats_path = stats_path(settings.stats_file, self.rank_labels) if settings.stats_file else None
         self._stats_guard = WriteGuard(self._stats_path) if self._stats_path else None
         self._stats_written = 0.0
@@ -515,6 +520,7 @@ class EngramRuntime:
                 **self.rank_labels,  # tp/dp/pp rank and size, attn_dp_rank, attn_cp_rank (serving/ranks.py)
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
+                "table_identity": self.identity["tables"],  # agreed by every TP rank (serving/identity.py)
                 "prefetch": self.settings.prefetch,
                 "rows_all_reduced": self.reduce_rows,  # False: every rank reads whole rows (or TP 1)
                 "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)

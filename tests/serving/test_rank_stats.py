@@ -17,7 +17,7 @@ CFG = small_config(300, layer_ids=(1, 3), n_heads=2)
 
 def labels(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1):
     return {"tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": dp_rank, "dp_size": dp_size, "pp_rank": pp_rank,
-            "pp_size": pp_size, "attn_dp_rank": 0, "attn_cp_rank": 0}
+            "pp_size": pp_size, "attn_dp_rank": 0, "attn_cp_rank": 0, "node_rank": 0}
 
 
 @pytest.mark.parametrize("template, ranks, want", [
