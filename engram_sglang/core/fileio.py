@@ -13,11 +13,15 @@ disk tier's back-off (pread_full, retry_transient).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 import time
 from pathlib import Path
-from typing import Callable, Type, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Type, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from .errors import EngramError
 
@@ -126,3 +130,58 @@ def tries_text(e: OSError) -> str:
 def inside(root: Path, path: Path) -> bool:
     """Does `path`, all symlinks resolved, lie directly in directory `root` (resolved)?"""
     return Path(os.path.realpath(path)).parent == Path(os.path.realpath(root))
+
+
+# ------------------------------------------------------------------ page cache
+PAGE = mmap.PAGESIZE
+
+
+def resident_pages(fd: int, offset: int, nbytes: int) -> Optional[np.ndarray]:
+    """Which pages of [offset, offset + nbytes) of `fd` are in the page cache now (mincore on a
+    mapping that is never touched: nothing is read), one bool per page from the page that holds
+    `offset`; None where the kernel cannot say (the caller then assumes none)."""
+    import ctypes
+
+    import numpy as np
+
+    if nbytes <= 0:
+        return np.zeros(0, dtype=bool)
+    start = offset - offset % PAGE
+    length = offset + nbytes - start
+    try:
+        m = mmap.mmap(fd, length, offset=start, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        view = np.frombuffer(m, dtype=np.uint8)
+        vec = np.zeros(-(-length // PAGE), dtype=np.uint8)
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(length),
+                          vec.ctypes.data_as(ctypes.c_void_p)) == 0
+        del view  # the mapping closes only without views
+    finally:
+        m.close()
+    return (vec & 1).astype(bool) if ok else None
+
+
+def drop_pages_not_in(fd: int, offset: int, nbytes: int, base: int, resident: Optional[np.ndarray]) -> None:
+    """Drop [offset, offset + nbytes) of `fd` from the page cache, except the pages `resident`
+    (resident_pages(fd, base, ...)) says were cached before: another process (a disk-tier
+    server on the same files, a second fill) is reading those, and evicting them would send its
+    reads to the device."""
+    import numpy as np
+
+    if resident is None:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        return
+    first = base - base % PAGE
+    lo, hi = (offset - first) // PAGE, -(-(offset + nbytes - first) // PAGE)
+    keep = resident[lo:hi]
+    if not keep.any():
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        return
+    # Runs of pages nobody had cached: [starts[k], ends[k]) in page numbers.
+    edges = np.diff(np.concatenate(([True], keep, [True])).astype(np.int8))
+    for a, b in zip(np.flatnonzero(edges == -1), np.flatnonzero(edges == 1)):
+        run_lo, run_hi = max(first + (lo + a) * PAGE, offset), min(first + (lo + b) * PAGE, offset + nbytes)
+        os.posix_fadvise(fd, run_lo, run_hi - run_lo, os.POSIX_FADV_DONTNEED)

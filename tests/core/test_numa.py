@@ -70,10 +70,10 @@ def order(monkeypatch, mbind_calls):
     from engram_sglang.core.stores import hostmem
 
     seen = []
-    mbind, fallocate, fill = numa._mbind, shmcopy.os.posix_fallocate, hostmem._fill
+    mbind, fallocate, fill = numa._mbind, shmcopy.os.posix_fallocate, hostmem.fill_from_file
     monkeypatch.setattr(numa, "_mbind", lambda *a: (seen.append("mbind"), mbind(*a)))
     monkeypatch.setattr(shmcopy.os, "posix_fallocate", lambda *a: (seen.append("fallocate"), fallocate(*a)))
-    monkeypatch.setattr(hostmem, "_fill", lambda *a, **k: (seen.append("fill"), fill(*a, **k)))
+    monkeypatch.setattr(hostmem, "fill_from_file", lambda *a, **k: (seen.append("fill"), fill(*a, **k)))
     return seen
 
 

@@ -369,7 +369,7 @@ def test_a_failed_open_leaves_no_sidecars(tables, tmp_path, monkeypatch):
     def broken(*a, **kw):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(hostmem, "_fill", broken)
+    monkeypatch.setattr(hostmem, "fill_from_file", broken)
     with pytest.raises(OSError):
         _open(dir_a, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EngramError
-from ..fileio import retry_transient, tries_text
+from ..fileio import drop_pages_not_in, resident_pages, retry_transient, tries_text
 from ..ops import gpu_runtime
 from . import numa, shmcopy
 from .base import TableIOError
@@ -142,7 +142,9 @@ def _address_of(m: mmap.mmap) -> int:
 
 def fill_from_file(dst, source: Path, offset: int, nbytes: int, progress=None, into: str = "host memory") -> None:
     """Copy nbytes of `source` from `offset` into `dst` (a mapping, or any writable buffer),
-    dropping the file's page cache behind us (the table would otherwise sit in RAM twice);
+    dropping behind us the pages of the file our reads brought into the page cache (the table
+    would otherwise sit in RAM twice), never those cached before (another server's: a disk-tier
+    server on the same files would then read from the device);
     `progress(bytes done)` after each chunk; `into` names the destination in errors."""
     try:
         fd = os.open(source, os.O_RDONLY)
@@ -151,6 +153,7 @@ def fill_from_file(dst, source: Path, offset: int, nbytes: int, progress=None, i
     view = memoryview(dst)
     try:
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+        cached = resident_pages(fd, offset, nbytes)  # before our reads: what others keep cached
         done = 0
         while done < nbytes:  # a short read reads on from where it stopped
             want = min(nbytes - done, _FILL_CHUNK)
@@ -165,7 +168,7 @@ def fill_from_file(dst, source: Path, offset: int, nbytes: int, progress=None, i
                 raise TableIOError(
                     f"{source}: the file ends early at byte {offset + done:,} of {offset + nbytes:,} while loading "
                     f"rows into {into} (truncated?); restore the table and restart")
-            os.posix_fadvise(fd, offset + done, n, os.POSIX_FADV_DONTNEED)
+            drop_pages_not_in(fd, offset + done, n, offset, cached)
             done += n
             if progress is not None:
                 progress(done)
