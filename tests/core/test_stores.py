@@ -17,6 +17,7 @@ import torch
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
+from engram_sglang.core.planning.model import balanced_shard_bytes, rank_bytes
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.core.stores import TableIOError, column_shards, disk, hostmem, open_store, rowio, shard_range
 from engram_sglang.core.stores.base import ranges_rows
@@ -187,6 +188,19 @@ def test_column_shards_deal_every_column_once():
     assert column_shards((0, 10, 20), 2, 4) == [shard_range(20, 2, 4)]  # fewer columns than ranks
     with pytest.raises(EngramError, match="rank 4 is not in \\[0, 4\\)"):
         column_shards((0, 10, 20), 4, 4)
+
+
+def test_planner_per_rank_bytes_from_the_ranges():
+    bounds = [LAYOUT.column_bounds(LAYOUT.layer_index(L)) for L in CFG.layer_ids]
+    total = sum(b[-1] for b in bounds) * ROW_BYTES
+    widest = max(b[c + 1] - b[c] for b in bounds for c in range(len(b) - 1))
+    for tp in (1, 2, 3, 4, 8):
+        per_rank = [rank_bytes([column_shards(b, r, tp) for b in bounds], ROW_BYTES) for r in range(tp)]
+        assert sum(per_rank) == total  # every row on one rank
+        assert balanced_shard_bytes(bounds, tp, ROW_BYTES) == max(per_rank)
+        # whole columns: the largest rank holds at most a column a layer more than the mean
+        assert max(per_rank) <= total / tp + len(bounds) * widest * ROW_BYTES
+    assert rank_bytes([[shard_range(100, 0, 4)], [(0, 3), (10, 12)]], 264) == (25 + 5) * 264
 
 
 def test_balanced_shards_refused_where_not_served(table_dir):

@@ -23,6 +23,7 @@ from ..ops import gather_dequant
 from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
 from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
+from ..shards import column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
 from . import maintenance
 from . import streams as streams_mod
 
@@ -46,44 +47,6 @@ class TableReadFault(TableIOError):
     def __init__(self, message: str, *, failed_ids, errno_: int = 0, packed=None, rows=None):
         super().__init__(message)
         self.failed_ids, self.errno_, self.packed, self.rows = failed_ids, errno_, packed, rows
-
-
-def shard_range(rows: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Row range [lo, hi) that rank `tp_rank` of `tp_size` holds: contiguous, sizes differ by <= 1."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise EngramError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
-    base, extra = divmod(rows, tp_size)
-    lo = tp_rank * base + min(tp_rank, extra)
-    return lo, lo + base + (1 if tp_rank < extra else 0)
-
-
-def column_shards(bounds, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
-    """Row ranges [(lo, hi), ...] (sorted, disjoint, adjacent ones merged) that rank `tp_rank`
-    of `tp_size` holds of a layer whose columns are `bounds` (`EngramLayout.column_bounds`:
-    column c owns rows [b[c], b[c+1])): columns are dealt round-robin, column c to rank
-    c % tp_size, so every rank holds the same number of columns of each n-gram order (the
-    layout is order-major) and reads about as many distinct rows per step as any other.
-    Contiguous row ranges (`shard_range`) give the rank holding the 4-gram columns the most
-    distinct rows. With fewer columns than ranks the column split cannot cover every rank:
-    the contiguous split is used."""
-    columns = len(bounds) - 1
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise EngramError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
-    if columns < tp_size:
-        return [shard_range(int(bounds[-1]) - int(bounds[0]), tp_rank, tp_size)]
-    ranges: list[tuple[int, int]] = []
-    for c in range(tp_rank, columns, tp_size):
-        lo, hi = int(bounds[c]), int(bounds[c + 1])
-        if ranges and ranges[-1][1] == lo:
-            ranges[-1] = (ranges[-1][0], hi)
-        else:
-            ranges.append((lo, hi))
-    return ranges
-
-
-def ranges_rows(ranges) -> int:
-    """Rows held by a list of row ranges."""
-    return sum(hi - lo for lo, hi in ranges)
 
 
 class RowRanges:
