@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,7 +111,7 @@ def measure(args) -> dict:
         "hasher": "engram_sglang.core.hashing.NgramHasher",
         "balanced_split": "column_shards: column c to rank c % tp",
         "contiguous_split": "shard_range: contiguous row ranges",
-        "goal_balanced_max_over_mean": GOAL, "hash_seconds": round(hashed_s, 1),
+        "goal_balanced_max_over_mean": GOAL, "hash_seconds": round(hashed_s, 1), "load_average": os.getloadavg(),
         "figures": figures, "per_layer": results,
     }
 
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     figures = payload["figures"]
     print_table("max_over_mean of distinct rows per rank (summed over steps, both layers)",
                 ["shape", "tp", "steps", "contiguous", "balanced"],
-                [[f["shape"], f["tp"], f["steps"], f["contiguous"], f["balanced"]] for f in figures])
+                [[f["shape"], f["tp"], f["steps"], f"{f['contiguous']:.4f}", f"{f['balanced']:.4f}"] for f in figures])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     import json
 
