@@ -209,6 +209,12 @@ def test_balanced_shards_refused_where_not_served(table_dir):
         open_store(root, "disk", cfg=CFG, tp_rank=0, tp_size=2, shards="balanced")
     with pytest.raises(EngramError, match="shards is 'strided'; expected one of contiguous, balanced"):
         open_store(root, "device", cfg=CFG, shards="strided")
+    store = open_store(root, "device", cfg=CFG, tp_rank=1, tp_size=2, shards="balanced")[1]
+    rows = LAYOUT.rows(1)
+    with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
+        store.gather(torch.tensor([0, rows]))  # an id past the table is an error, not another rank's row
+    assert "rows " in store.describe() and store.stats()["row_ranges"] == [list(r) for r in store.row_ranges]
+    store.close()
     with pytest.raises(EngramError, match="must be sorted, disjoint"):
         DeviceStore(1, layer_path(root, 1), LAYOUT.rows(1), [(10, 20), (5, 8)], torch.device("cpu"), "auto")
 
