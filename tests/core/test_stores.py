@@ -17,8 +17,11 @@ import torch
 from engram_sglang.core import rowformat
 from engram_sglang.core.errors import EngramError
 from engram_sglang.core.hashing import EngramLayout
+from engram_sglang.core.planning.model import balanced_shard_bytes, rank_bytes
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
-from engram_sglang.core.stores import TableIOError, disk, hostmem, open_store, rowio, shard_range
+from engram_sglang.core.stores import TableIOError, column_shards, disk, hostmem, open_store, rowio, shard_range
+from engram_sglang.core.stores.base import ranges_rows
+from engram_sglang.core.stores.device import DeviceStore
 from engram_sglang.core.tablefile import layer_file_name, write_tables
 from tests.support.disk_faults import reads_by_the_store
 from tests.support.tables import small_config
@@ -126,6 +129,94 @@ def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, option
     assert torch.equal(bf16_bits(total.view(torch.bfloat16)), bf16_bits(reference(tables[L], ids)))
     bf16_sum = torch.stack(parts).float().sum(0).to(torch.bfloat16)  # what an all-reduce computes
     assert torch.equal(bf16_bits(bf16_sum), bf16_bits(reference(tables[L], ids)))
+
+
+def layer_path(root, L):
+    return root / layer_file_name(L)
+
+
+def balanced_parts(root, ids, L, tp_size, drop=None):
+    """Each rank's rows of `ids` from its balanced device shard; `drop` = (rank, range index)
+    makes that rank hold its ranges less that one (a negative control)."""
+    parts = []
+    for rank in range(tp_size):
+        ranges = column_shards(LAYOUT.column_bounds(LAYOUT.layer_index(L)), rank, tp_size)
+        if drop is not None and drop[0] == rank:
+            ranges = ranges[: drop[1]] + ranges[drop[1] + 1:]
+            store = DeviceStore(L, layer_path(root, L), LAYOUT.rows(L), ranges, torch.device("cpu"), "auto")
+        else:
+            store = open_store(root, "device", cfg=CFG, tp_rank=rank, tp_size=tp_size, shards="balanced")[L]
+            assert store.row_ranges == ranges and not store.holds_whole_rows
+            assert store.resident_bytes == ranges_rows(ranges) * ROW_BYTES
+        part = store.gather(ids)
+        held = torch.zeros_like(ids, dtype=torch.bool)
+        for lo, hi in ranges:
+            held |= (ids >= lo) & (ids < hi)
+        assert (part.view(torch.int16)[~held] == 0).all()  # +0.0 exactly where the rank holds no row
+        parts.append(part)
+        store.close()
+    return torch.stack(parts).view(torch.int16).sum(0).to(torch.int16).view(torch.bfloat16)  # integer bits: exact
+
+
+@pytest.mark.parametrize("tp_size", [2, 3, 4, 8])
+def test_balanced_shards_sum_to_the_full_rows(table_dir, rng, tp_size):
+    """Balanced shards (columns dealt round-robin: several row ranges a rank) sum to the whole
+    rows bit for bit; a rank that drops one of its ranges makes the sum wrong."""
+    root, tables = table_dir
+    L = CFG.layer_ids[1]
+    ids = random_ids(rng, LAYOUT.rows(L), (64, 24))
+    bounds = LAYOUT.column_bounds(LAYOUT.layer_index(L))
+    ids[0, : len(bounds) - 1] = torch.tensor(bounds[:-1])  # every column's first row,
+    ids[1, : len(bounds) - 1] = torch.tensor(bounds[1:]) - 1  # and its last
+    want = bf16_bits(reference(tables[L], ids))
+    assert torch.equal(bf16_bits(balanced_parts(root, ids, L, tp_size)), want)
+    assert not torch.equal(bf16_bits(balanced_parts(root, ids, L, tp_size, drop=(0, 0))), want)
+
+
+def test_column_shards_deal_every_column_once():
+    for L in CFG.layer_ids:
+        bounds = LAYOUT.column_bounds(LAYOUT.layer_index(L))
+        columns = len(bounds) - 1
+        for tp in (1, 2, 3, 4, 8):
+            ranks = [column_shards(bounds, r, tp) for r in range(tp)]
+            flat = sorted(r for held in ranks for r in held)
+            assert flat[0][0] == 0 and flat[-1][1] == bounds[-1]
+            assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))  # every row once
+            for held in ranks:  # the columns of each rank: c % tp == rank, adjacent ones merged
+                starts = [b for b in bounds[:-1] if any(lo <= b < hi for lo, hi in held)]
+                assert len(starts) in (columns // tp, -(-columns // tp))
+    assert column_shards((0, 10, 20), 2, 4) == [shard_range(20, 2, 4)]  # fewer columns than ranks
+    with pytest.raises(EngramError, match="rank 4 is not in \\[0, 4\\)"):
+        column_shards((0, 10, 20), 4, 4)
+
+
+def test_planner_per_rank_bytes_from_the_ranges():
+    bounds = [LAYOUT.column_bounds(LAYOUT.layer_index(L)) for L in CFG.layer_ids]
+    total = sum(b[-1] for b in bounds) * ROW_BYTES
+    widest = max(b[c + 1] - b[c] for b in bounds for c in range(len(b) - 1))
+    for tp in (1, 2, 3, 4, 8):
+        per_rank = [rank_bytes([column_shards(b, r, tp) for b in bounds], ROW_BYTES) for r in range(tp)]
+        assert sum(per_rank) == total  # every row on one rank
+        assert balanced_shard_bytes(bounds, tp, ROW_BYTES) == max(per_rank)
+        # whole columns: the largest rank holds at most a column a layer more than the mean
+        assert max(per_rank) <= total / tp + len(bounds) * widest * ROW_BYTES
+    assert rank_bytes([[shard_range(100, 0, 4)], [(0, 3), (10, 12)]], 264) == (25 + 5) * 264
+
+
+def test_balanced_shards_refused_where_not_served(table_dir):
+    root, _ = table_dir
+    with pytest.raises(EngramError, match="shards=balanced is served by the device placement; placement disk"):
+        open_store(root, "disk", cfg=CFG, tp_rank=0, tp_size=2, shards="balanced")
+    with pytest.raises(EngramError, match="shards is 'strided'; expected one of contiguous, balanced"):
+        open_store(root, "device", cfg=CFG, shards="strided")
+    store = open_store(root, "device", cfg=CFG, tp_rank=1, tp_size=2, shards="balanced")[1]
+    rows = LAYOUT.rows(1)
+    with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
+        store.gather(torch.tensor([0, rows]))  # an id past the table is an error, not another rank's row
+    assert "rows " in store.describe() and store.stats()["row_ranges"] == [list(r) for r in store.row_ranges]
+    store.close()
+    with pytest.raises(EngramError, match="must be sorted, disjoint"):
+        DeviceStore(1, layer_path(root, 1), LAYOUT.rows(1), [(10, 20), (5, 8)], torch.device("cpu"), "auto")
 
 
 def test_shard_ranges_cover_every_row_once():

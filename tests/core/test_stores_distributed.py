@@ -23,7 +23,8 @@ from tests.support.tables import small_config
 pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
 
 CFG = small_config(300, layer_ids=(4,), n_heads=2)
-PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}, "host-whole": {"shared": True}}
+PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}, "host-whole": {"shared": True},
+                     "device-balanced": {"shards": "balanced"}}
 
 
 def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str, shm_dir: str, result_dir: str):
@@ -54,6 +55,7 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
         if rank == 0:
             copies = len([n for n in os.listdir(shm_dir) if n.startswith("engram-") and n.endswith("-layer4.rows")])
             torch.save({"sum": partial.to(torch.bfloat16), "range": store.row_range, "copies": copies,
+                        "ranges": store.row_ranges,
                         "whole_equals_shards": bool(same.item()) if whole else None},
                        os.path.join(result_dir, "out.pt"))
         store.close()
@@ -86,7 +88,7 @@ def table(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,placement", [(w, p) for w in (2, 4) for p in ("device", "host", "disk")]
-                         + [(2, "host-whole")])
+                         + [(2, "host-whole"), (2, "device-balanced")])
 def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, placement, rng):
     root, rows = table
     ids = torch.randint(0, rows.shape[0], (48, 24), generator=rng)
@@ -106,6 +108,9 @@ def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, plac
         assert out["whole_equals_shards"] is True  # every rank, bit for bit
     else:
         assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
+    if placement == "device-balanced":  # rank 0 held its columns 0, 2, 4: three ranges, not one
+        bounds = EngramLayout(CFG).column_bounds(0)
+        assert out["ranges"] == [(bounds[c], bounds[c + 1]) for c in (0, 2, 4)]
     if placement.startswith("host"):
         assert out["copies"] == 1  # one copy for all ranks
         assert list(tmp_path.glob("engram-*-layer4.rows")) == []  # removed by the last rank to close

@@ -12,6 +12,7 @@ from ..config import PLACEMENTS, EngramConfig
 from ..hashing import EngramLayout
 from ..placement_table import placement as placement_spec
 from ..rowformat import BLOCK
+from ..shards import column_shards, ranges_rows
 from . import disk as disk_model
 from . import whole_rows
 from .data import (
@@ -93,6 +94,19 @@ def shard_bytes(rows: Sequence[int], tp: int, rb: int) -> int:
     """The largest rank's table bytes under row-range sharding (rank r holds a contiguous
     1/TP of every layer's rows, so the largest shard has ceil(rows / TP) rows)."""
     return sum(-(-r // tp) for r in rows) * rb
+
+
+def rank_bytes(ranges_per_layer: Sequence[Sequence[tuple[int, int]]], rb: int) -> int:
+    """One rank's table bytes from the row ranges it holds of each layer (`core/shards.py`:
+    [shard_range] or column_shards)."""
+    return sum(ranges_rows(ranges) for ranges in ranges_per_layer) * rb
+
+
+def balanced_shard_bytes(bounds_per_layer: Sequence[Sequence[int]], tp: int, rb: int) -> int:
+    """The largest rank's table bytes under balanced shards (`column_shards` of each layer's
+    column bounds, `EngramLayout.column_bounds`): ranks hold whole columns, so shards differ
+    by up to a column's rows, not by one row as contiguous ones (`shard_bytes`)."""
+    return max(rank_bytes([column_shards(b, r, tp) for b in bounds_per_layer], rb) for r in range(tp))
 
 
 def sglang_reserve_bytes(tp: int, hbm_bytes: int) -> int:

@@ -10,11 +10,12 @@ import torch
 
 from ..config import EngramConfig
 from ..errors import EngramError
+from ..hashing import EngramLayout
 from ..placement_table import PLACEMENTS, WHOLE
 from ..placement_table import placement as placement_spec
 from ..tablefile import open_tables
 from . import rowio
-from .base import Prefetch, TableIOError, TableStore, shard_range, split_by_rows
+from .base import Prefetch, TableIOError, TableStore, column_shards, ranges_rows, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
 from .metrics import METRICS
 
@@ -34,6 +35,7 @@ def open_store(
     cache_profile: Optional[str | os.PathLike] = None,
     cache_options: Optional[dict] = None,
     agree: Optional[Callable[[bool], bool]] = None,
+    shards: str = "contiguous",
     **options,
 ) -> dict[int, TableStore]:
     """Open every layer of a table directory in one placement: layer id -> TableStore.
@@ -52,6 +54,11 @@ def open_store(
         the answer of all ranks of the group (true only if true on every rank: a rank whose
         shared copy fell back to a private shard makes every rank keep its shard). None
         (the default) at tp_size > 1: every rank holds a shard, as the caller sums them.
+    shards : how the ranks split a layer: "contiguous" (`shard_range`) or "balanced"
+        (`column_shards`: the layout's columns dealt round-robin, a list of row ranges per
+        rank, the table format unchanged; every rank then reads about as many distinct rows
+        a step, bench/shard_balance.py). Balanced shards are served by the device placement;
+        host and disk take contiguous ones.
     backend : gather backend ("auto" lets the device probe choose).
     cache_bytes : device bytes (all layers of this rank) of a hot-row cache in front of a
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
@@ -76,17 +83,22 @@ def open_store(
         raise EngramError(f"placement {placement} has no option(s) {', '.join(sorted(unknown))} (options: {allowed})")
     if "threads" in options:
         rowio.check_threads(options["threads"], "disk placement option threads")
+    if shards not in SHARDS:
+        raise EngramError(f"shards is {shards!r}; expected one of {', '.join(SHARDS)}")
+    if shards == "balanced" and placement != "device" and tp_size > 1:
+        raise EngramError(f"shards=balanced is served by the device placement; placement {placement} takes "
+                          f"shards=contiguous")
     whole = spec.rows_held(options) == WHOLE and (tp_size == 1 or agree is not None)
     store_class = spec.store_class()
     tables = open_tables(table_dir, cfg)
     METRICS.get()  # the stores' Prometheus collectors register here, once per process
-    dram = split_by_rows(options.pop("dram_cache_bytes", 0),
-                         {L: len(range(*shard_range(info.rows, tp_rank, tp_size))) for L, info in tables.layers.items()})
+    held = rank_ranges(tables, cfg, tp_rank, tp_size, shards)
+    dram = split_by_rows(options.pop("dram_cache_bytes", 0), {L: ranges_rows(r) for L, r in held.items()})
     stores: dict[int, TableStore] = {}
     asked = False  # whether this rank has called `agree` (every rank must, exactly once)
     try:
         for layer_id, info in sorted(tables.layers.items()):
-            row_range = shard_range(info.rows, tp_rank, tp_size)
+            row_range = held[layer_id][0] if len(held[layer_id]) == 1 else held[layer_id]
             if dram[layer_id]:
                 options["dram_cache_bytes"] = dram[layer_id]
             if "shared" in spec.option_names:  # a node's shared copy is named by and checked against these
@@ -101,7 +113,7 @@ def open_store(
             agreed = agree(bool(stores) and all(s.holds_whole_rows for s in stores.values()))
         if tp_size > 1 and not agreed:
             for layer_id, store in stores.items():
-                store.hold_only(shard_range(store.rows, tp_rank, tp_size))
+                store.hold_only(held[layer_id][0] if len(held[layer_id]) == 1 else held[layer_id])
         for store in stores.values():
             logger.info("%s", store.describe())
     except BaseException:
@@ -119,7 +131,23 @@ def open_store(
     return stores
 
 
-__all__ = ["HotRowCache", "PLACEMENTS", "Prefetch", "TableIOError", "TableStore", "open_store", "shard_range"]
+SHARDS = ("contiguous", "balanced")
+
+
+def rank_ranges(tables, cfg: Optional[EngramConfig], tp_rank: int, tp_size: int,
+                shards: str = "contiguous") -> dict[int, list[tuple[int, int]]]:
+    """Layer id -> the row ranges rank `tp_rank` of `tp_size` holds of each layer of `tables`
+    (open_tables): [shard_range] for contiguous shards, `column_shards` of the tables' layout
+    (their manifest's config, or `cfg`) for balanced ones."""
+    if shards == "contiguous" or tp_size == 1:
+        return {L: [shard_range(info.rows, tp_rank, tp_size)] for L, info in tables.layers.items()}
+    layout = EngramLayout(cfg if cfg is not None else tables.config)
+    return {L: column_shards(layout.column_bounds(layout.layer_index(L)), tp_rank, tp_size)
+            for L in tables.layers}
+
+
+__all__ = ["HotRowCache", "PLACEMENTS", "Prefetch", "SHARDS", "TableIOError", "TableStore", "column_shards",
+           "open_store", "rank_ranges", "shard_range"]
 
 
 # The placements' store classes, imported on first use (each pulls in its own dependencies).

@@ -23,6 +23,7 @@ from ..ops import gather_dequant
 from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
 from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
+from ..shards import column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
 from . import maintenance
 from . import streams as streams_mod
 
@@ -48,13 +49,34 @@ class TableReadFault(TableIOError):
         self.failed_ids, self.errno_, self.packed, self.rows = failed_ids, errno_, packed, rows
 
 
-def shard_range(rows: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Row range [lo, hi) that rank `tp_rank` of `tp_size` holds: contiguous, sizes differ by <= 1."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise EngramError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
-    base, extra = divmod(rows, tp_size)
-    lo = tp_rank * base + min(tp_rank, extra)
-    return lo, lo + base + (1 if tp_rank < extra else 0)
+class RowRanges:
+    """The rows a shard holds as a list of global row ranges [(lo, hi), ...] (sorted, disjoint,
+    inside [0, rows)), laid out one after another: row i of the shard's table is its i-th held
+    global row. `to_local(ids)` maps global ids to table rows, -1 (a +0.0 row) for ids the
+    shard does not hold. One range is the plain `row_range` case."""
+
+    def __init__(self, ranges, rows: int, what: str = "shard"):
+        ranges = [(int(lo), int(hi)) for lo, hi in ranges]
+        end = 0
+        for lo, hi in ranges:
+            if not end <= lo <= hi <= rows:
+                raise EngramError(f"{what}: row ranges {ranges} must be sorted, disjoint and inside [0, {rows}), "
+                                  f"found ({lo}, {hi}) after row {end}")
+            end = hi
+        self.ranges, self.rows = tuple(ranges), rows
+        self.held = ranges_rows(ranges)
+        self._lo = torch.tensor([lo for lo, _ in ranges] or [0], dtype=torch.int64)
+        self._hi = torch.tensor([hi for _, hi in ranges] or [0], dtype=torch.int64)
+        self._base = torch.tensor(np.cumsum([0, *(hi - lo for lo, hi in ranges)])[:max(1, len(ranges))],
+                                  dtype=torch.int64)
+
+    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Table rows (int64, ids' device) of global ids; -1 where the shard holds no such row."""
+        lo, hi, base = (t.to(ids.device) for t in (self._lo, self._hi, self._base))
+        ids = ids.to(torch.int64)
+        k = (torch.searchsorted(lo, ids.contiguous(), right=True) - 1).clamp_(min=0)
+        inside = (ids >= lo[k]) & (ids < hi[k])
+        return torch.where(inside, ids - lo[k] + base[k], torch.full_like(ids, -1))
 
 
 def split_by_rows(total_bytes: int, held: dict[int, int]) -> dict[int, int]:
@@ -290,7 +312,8 @@ class TableStore(ABC):
         resident = self.resident_table
         if resident is None:
             raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds no packed rows to read")
-        local = torch.from_numpy(np.asarray(wanted, dtype=np.int64) - self.row_range[0])
+        wanted = torch.from_numpy(np.asarray(wanted, dtype=np.int64))
+        local = self.shard.to_local(wanted) if self.shard is not None else wanted - self.row_range[0]
         rows = resident.table[local.to(resident.table.device)].cpu().numpy()
         if out is None:
             return rows
@@ -311,6 +334,15 @@ class TableStore(ABC):
         """Whether the rows are the node's one shared copy (every rank maps it), not this process's."""
         return False
 
+    # A shard of several row ranges (`column_shards`), where the placement serves one; None:
+    # the store holds the one range `row_range`.
+    shard: Optional[RowRanges] = None
+
+    @property
+    def row_ranges(self) -> list[tuple[int, int]]:
+        """The rows this store holds as a list of ranges ([row_range] unless it holds several)."""
+        return list(self.shard.ranges) if self.shard is not None else [tuple(self.row_range)]
+
     # What the tensor-parallel ranks agreed in open_store (True: every rank holds whole rows;
     # False: shards, summed), so that a shard that happens to span its layer (a layer of one
     # row) is not taken for whole rows on one rank while the others sum. None: not asked.
@@ -321,14 +353,17 @@ class TableStore(ABC):
         """Whether this store holds every row of the layer (no tensor-parallel sum needed)."""
         if self.agreed_whole is not None:
             return self.agreed_whole
-        return tuple(self.row_range) == (0, self.rows)
+        return self.row_ranges == [(0, self.rows)]
 
-    def hold_only(self, row_range: tuple[int, int]) -> None:
-        """Serve only `row_range` from now on (other ids read as +0.0 rows), before the first
-        call. Stores that hold only their rows cannot widen or move them."""
-        if tuple(row_range) != tuple(self.row_range):
-            raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds rows {self.row_range}, "
-                              f"it cannot serve {tuple(row_range)} instead")
+    def hold_only(self, row_range) -> None:
+        """Serve only `row_range` (one (lo, hi), or a list of ranges) from now on (other ids read
+        as +0.0 rows), before the first call. Stores that hold only their rows cannot widen or
+        move them."""
+        wanted = [tuple(r) for r in row_range] if row_range and not isinstance(row_range[0], int) \
+            else [tuple(row_range)]
+        if wanted != self.row_ranges:
+            raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds rows {self.row_ranges}, "
+                              f"it cannot serve {wanted} instead")
 
     def _account(self, n: int, seconds: float, unique: Optional[int] = None) -> None:
         """One call served: calls and rows on the device, in place (a replay counts too);
@@ -412,15 +447,17 @@ class TableStore(ABC):
                 "unique_ratio": unique / rows if rows else 1.0,
                 "gather_seconds": self._seconds,
                 "row_range": list(self.row_range),
+                "row_ranges": [list(r) for r in self.row_ranges],
                 "rows_held": "whole" if self.holds_whole_rows else "shard",
                 "resident_bytes": self.resident_bytes,
             }
 
     def describe(self) -> str:
-        lo, hi = self.row_range
+        held = ", ".join(f"{lo}..{hi - 1}" for lo, hi in self.row_ranges)
         return (
             f"engram layer {self.layer_id}: placement {self.placement}, backend {self.backend}, "
-            f"rows {lo}..{hi - 1} of {self.rows} ({(hi - lo) * ROW_BYTES / 2**30:.2f} GiB), device {self.device}"
+            f"rows {held} of {self.rows} ({ranges_rows(self.row_ranges) * ROW_BYTES / 2**30:.2f} GiB), "
+            f"device {self.device}"
         )
 
     def close(self) -> None:
@@ -438,7 +475,10 @@ class WholeTableStore(TableStore):
     table_address: Optional[int] = None
 
     def _gather(self, ids, out):
-        rows = gather_dequant(self.table, ids.to(self.device), out=out, row_range=self.row_range,
+        ids, row_range = ids.to(self.device), self.row_range
+        if self.shard is not None:  # several ranges: global ids to table rows (-1: not held, +0.0)
+            ids, row_range = self.shard.to_local(ids), (0, self.shard.held)
+        rows = gather_dequant(self.table, ids, out=out, row_range=row_range,
                               backend=self.backend, table_address=self.table_address)
         return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)
 

@@ -9,7 +9,7 @@ import torch
 
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
-from .base import WholeTableStore
+from .base import RowRanges, WholeTableStore
 from .hostmem import fill_from_file
 
 # A GPU shard is read through a host bounce buffer of this size, so that loading a 47 GiB
@@ -25,21 +25,35 @@ class DeviceStore(WholeTableStore):
     table_address: Optional[int] = None
 
     def __init__(self, layer_id, path, rows, row_range, device, backend):
-        super().__init__(layer_id, path, rows, row_range, device, backend)
-        lo, hi = row_range
-        self.table = _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, torch.device(self.device))
+        """`row_range`: one (lo, hi), or a list of ranges (`column_shards`), held one after another."""
+        ranges = [tuple(row_range)] if row_range and isinstance(row_range[0], int) else [tuple(r) for r in row_range]
+        if len(ranges) == 1:
+            super().__init__(layer_id, path, rows, ranges[0], device, backend)
+            lo, hi = ranges[0]
+            self.table = _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, torch.device(self.device))
+            return
+        shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard")
+        # row_range: the span of the ranges (what holds between them belongs to other ranks)
+        super().__init__(layer_id, path, rows, (ranges[0][0], ranges[-1][1]) if ranges else (0, 0), device, backend)
+        self.shard = shard
+        self.table = torch.empty((shard.held, ROW_BYTES), dtype=torch.uint8, device=self.device)
+        at = 0
+        for lo, hi in ranges:  # each range straight into its slice (no second copy of the shard)
+            _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, self.device, out=self.table[at:at + hi - lo])
+            at += hi - lo
 
     @property
     def resident_bytes(self) -> int:
         return self.table.numel()
 
 
-def _load_rows(path, offset: int, n_rows: int, device: torch.device, bounce: Optional[bool] = None) -> torch.Tensor:
+def _load_rows(path, offset: int, n_rows: int, device: torch.device, bounce: Optional[bool] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """n_rows packed rows of `path` from `offset` as a (n_rows, ROW_BYTES) uint8 tensor on
     `device`: read in place on the CPU; through a bounce buffer of UPLOAD_CHUNK_BYTES on a GPU
-    (`bounce`: which, for tests). Short reads read on, transient errors are retried, a failure
+    (`bounce`: which, for tests); into `out` (contiguous rows) when given. Short reads read on, transient errors are retried, a failure
     names the file and offset."""
-    table = torch.empty((n_rows, ROW_BYTES), dtype=torch.uint8, device=device)
+    table = torch.empty((n_rows, ROW_BYTES), dtype=torch.uint8, device=device) if out is None else out
     flat = table.view(-1)
     if not (device.type != "cpu" if bounce is None else bounce):
         fill_from_file(memoryview(flat.numpy()), path, offset, flat.numel(), into="device memory")
