@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..core.errors import EngramError
+from ..core.planning.graphs import UNSTAGED_MODEL_TYPES
 from ..core.rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,8 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
     if settings.disk_graphs:
         # Staged rows are filled before each replay from our StepHasher's peek at the step's ids;
         # upstream's hasher, which DeepSeek-V4.1 keeps (its hash is the checkpoint's), has none.
-        raise EngramError("--engram-disk-graphs on serves the Qwen3 Engram family; DeepSeek-V4.1 hashes with "
-                          "upstream's EngramHasher, whose ids cannot be staged before a replay: start without it")
+        raise EngramError(f"--engram-disk-graphs on serves the Qwen3 Engram family; "
+                          f"{UNSTAGED_MODEL_TYPES['deepseek_v4']}: start without it")
     # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
     return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
                         attention_parallel=True, per_process=True)

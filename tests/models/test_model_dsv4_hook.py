@@ -469,6 +469,22 @@ def test_disk_graphs_are_refused_for_deepseek(table):
         open_runtime(table_dir, "disk", disk_graphs=True)
 
 
+def test_dsv4_disk_graphs_policy_is_the_planners(table, monkeypatch):
+    """The hook's refusal and the planner's "decode graphs kept" read one policy
+    (core/planning/graphs.py): changing it changes both."""
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.core.planning import graphs
+
+    table_dir, _, _ = table
+    monkeypatch.setitem(graphs.UNSTAGED_MODEL_TYPES, "deepseek_v4", "policy under test")
+    with pytest.raises(EngramError, match="policy under test: start without it"):
+        open_runtime(table_dir, "disk", disk_graphs=True)
+    disk = graphs.decode_graphs("deepseek_v41", "disk")
+    assert disk["kept"] == "no" and "policy under test" in disk["why"]
+    assert graphs.decode_graphs("qwen3_engram", "disk")["kept"] == "opt-in"
+    assert [graphs.decode_graphs("deepseek_v41", p)["kept"] for p in ("device", "host")] == ["yes", "yes"]
+
+
 def test_loader_skips_table_tensors_only_when_our_store_serves():
     from engram_sglang import plugin
     from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding
