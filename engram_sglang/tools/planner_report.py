@@ -59,6 +59,7 @@ def format_text(p: dict[str, Any]) -> str:
         + "".join(f"{('n/a' if h[pl]['fits'] is None else 'yes' if h[pl]['fits'] else 'NO'):>14}" for pl in PLACEMENTS),
         f"  {'smallest TP that fits':<38}"
         + "".join(f"{(str(p['smallest_tp'][pl]) if p['smallest_tp'][pl] else 'none'):>14}" for pl in PLACEMENTS),
+        f"  {'decode CUDA graphs kept':<38}" + "".join(f"{p['decode_graphs'][pl]['kept']:>14}" for pl in PLACEMENTS),
         "",
     ]
     d = p["host_dram_per_node"]

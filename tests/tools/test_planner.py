@@ -457,6 +457,7 @@ def test_disk_prediction_arithmetic_on_the_default_curve():
     # DeepSeek-V4.1 decodes eagerly from disk (the hook refuses --engram-disk-graphs): said, not "staged".
     assert p["decode_graphs"]["disk"]["kept"] == "no" and p["decode_graphs"]["device"]["kept"] == "yes"
     assert "decode CUDA graphs" in text and "decode runs eagerly" in text
+    assert re.search(r"decode CUDA graphs kept\s+yes\s+yes\s+no\n", text)
     assert f"{read - 0.5:.2f} ms" in text
     # Defaults are labelled: the lead from the model's facts, the latency an assumption.
     r = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=200_000)["disk"]
