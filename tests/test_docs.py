@@ -190,3 +190,46 @@ def test_a_missing_code_path_is_reported(tmp_path):
     assert any(f.startswith("README.md:3: cites modes.py") for f in found), found
     functions = [f for f in found if "does not define" in f]
     assert functions == ["README.md:4: cites tests/core/test_x.py::test_gone, which that file does not define"], found
+
+
+def _subcommands(parser):
+    """The subcommand parsers of an argparse parser ({} for a leaf), lazy ones loaded."""
+    import argparse
+
+    parser = parser.load() if getattr(parser, "_module", "") else parser  # the CLI's lazy command parsers
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return parser, dict(action.choices)
+    return parser, {}
+
+
+def cited_cli_problems(text: str) -> list[str]:
+    """`--engram-*` flags that are not knobs and `engram-sglang` command lines (subcommands and
+    their options) that the CLI does not have, in a page's text."""
+    from engram_sglang.serving.settings import KNOBS
+    from engram_sglang.tools.cli import build_parser
+
+    flags = {f"--engram-{k.flag}" for k in KNOBS}
+    found = [f"{f}: not a knob" for f in sorted(set(re.findall(r"--engram-[a-z-]*[a-z]", text)) - flags)]
+    for line in re.findall(r"engram-sglang((?: [a-z][\w-]*)+(?: [^\n`|]*)?)", text):
+        words = line.split()
+        parser, subs = _subcommands(build_parser())
+        path = []
+        while words and subs and words[0] in subs:
+            path.append(words.pop(0))
+            parser, subs = _subcommands(subs[path[-1]])
+        if subs:
+            found.append(f"engram-sglang {' '.join(path + words[:1])}: no such subcommand")
+            continue
+        options = {o for a in parser._actions for o in a.option_strings}
+        found += [f"engram-sglang {' '.join(path)} {w}: no such option" for w in words
+                  if w.startswith("--") and w.split("=")[0] not in options]
+    return found
+
+
+def test_the_deepseek_deploy_page_cites_flags_and_commands_that_exist():
+    text = (ROOT / "docs" / "deploy-deepseek.md").read_text()
+    assert not cited_cli_problems(text), "\n".join(cited_cli_problems(text))
+    bad = "engram-sglang tables convrt X --engram-placment host\n`engram-sglang plan --gpu H200 --no-such`"
+    assert cited_cli_problems(bad) == ["--engram-placment: not a knob", "engram-sglang tables convrt: no such subcommand",
+                                       "engram-sglang plan --no-such: no such option"]

@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
-from typing import Optional
+from pathlib import Path
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
 
+from ..core.config import DEFAULT_TABLE_DIR
 from ..core.errors import EngramError
+from ..core.planning.graphs import UNSTAGED_MODEL_TYPES
 from ..core.rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
@@ -138,22 +142,75 @@ def runtime_of(hasher):
     return waiting[0]
 
 
+# Upstream's own DeepSeek-V4.1 table options (sglang/srt/environ.py), which our stores replace.
+UPSTREAM_TABLE_VARS = {
+    "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "--engram-placement host",
+    "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": "--engram-host-shared on (shared) or off (per_rank)",
+    "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "the plugin's prefill read-ahead (always on)",
+    "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "--engram-placement device (a row shard per rank)",
+}
+_FALSE = ("", "0", "false", "no", "off")
+_said: set[str] = set()
+
+
+def upstream_vars_set(env: Mapping[str, str]) -> list[str]:
+    """Upstream's table variables that change what it does: a bool set true, a layout set at all."""
+    return [v for v in UPSTREAM_TABLE_VARS
+            if env.get(v) is not None and (env[v].strip().lower() not in _FALSE if "LAYOUT" not in v else env[v])]
+
+
+def who_serves(settings, model_path: Optional[str], env: Optional[Mapping[str, str]] = None) -> Optional[Path]:
+    """The start-up decision for DeepSeek-V4.1's tables (docs/deploy-deepseek.md's table): our
+    table directory (our stores serve), or None (upstream's own tables serve, said in one line).
+    Raises EngramError (one line) where a choice would be silent: one of our knobs set with no
+    table directory found, ENGRAM_TABLE_DIR naming a missing directory, or upstream's table
+    variables set while ours serve."""
+    from ..serving.settings import KNOBS, ServeSettings
+    from ..serving.startup import resolve_table_dir
+
+    env = os.environ if env is None else env
+    if settings.table_dir and not Path(settings.table_dir).exists():
+        raise EngramError(f"ENGRAM_TABLE_DIR (--engram-table-dir) {settings.table_dir} does not exist: mount the "
+                          f"converted tables there, or pass -e ENGRAM_TABLE_DIR= to serve upstream's own tables")
+    table_dir = resolve_table_dir(settings, model_path, required=False)
+    upstream = upstream_vars_set(env)
+    if table_dir is not None:
+        if upstream:
+            raise EngramError(f"{upstream[0]} is upstream's own table option, which engram-sglang replaces when its "
+                              f"tables ({table_dir}) serve: unset it (ours: {UPSTREAM_TABLE_VARS[upstream[0]]}), or "
+                              f"pass -e ENGRAM_TABLE_DIR= and no --engram-* flag to serve upstream's tables")
+        return table_dir
+    defaults = ServeSettings()
+    ours = [k.env for k in KNOBS if env.get(k.env) or getattr(settings, k.field) != getattr(defaults, k.field)]
+    if ours:
+        where = f"{Path(model_path) / DEFAULT_TABLE_DIR}" if model_path else "no model path"
+        raise EngramError(f"{ours[0]} is set but no Engram table directory was found (ENGRAM_TABLE_DIR unset, "
+                          f"{where} absent): convert the tables (engram-sglang convert) or unset the ENGRAM_* "
+                          f"variables and --engram-* flags to serve upstream's own tables")
+    line = ("engram-sglang: no table directory configured or in the model directory: upstream's own Engram tables "
+            f"serve DeepSeek-V4.1 ({', '.join(upstream) + ' set' if upstream else 'loaded from the checkpoint'})")
+    if line not in _said:
+        _said.add(line)
+        logger.warning(line)
+    return None
+
+
 def process_runtime(*, settings=None, model_path: Optional[str] = None, device=None, parallel=None):
     """This process's EngramRuntime for DeepSeek-V4.1's tables (opened on the first Engram
     layer, shared by the others: serving/startup.py), or None when no table directory is
     configured and the model directory has none (upstream's own tables serve)."""
     from ..serving.settings import ServeSettings
-    from ..serving.startup import open_runtime, resolve_table_dir
+    from ..serving.startup import open_runtime
 
     settings = settings or ServeSettings.from_env()
-    table_dir = resolve_table_dir(settings, model_path, required=False)
+    table_dir = who_serves(settings, model_path)
     if table_dir is None:
         return None
     if settings.disk_graphs:
         # Staged rows are filled before each replay from our StepHasher's peek at the step's ids;
         # upstream's hasher, which DeepSeek-V4.1 keeps (its hash is the checkpoint's), has none.
-        raise EngramError("--engram-disk-graphs on serves the Qwen3 Engram family; DeepSeek-V4.1 hashes with "
-                          "upstream's EngramHasher, whose ids cannot be staged before a replay: start without it")
+        raise EngramError(f"--engram-disk-graphs on serves the Qwen3 Engram family; "
+                          f"{UNSTAGED_MODEL_TYPES['deepseek_v4']}: start without it")
     # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
     return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
                         attention_parallel=True, per_process=True)

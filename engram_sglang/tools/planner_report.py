@@ -59,6 +59,7 @@ def format_text(p: dict[str, Any]) -> str:
         + "".join(f"{('n/a' if h[pl]['fits'] is None else 'yes' if h[pl]['fits'] else 'NO'):>14}" for pl in PLACEMENTS),
         f"  {'smallest TP that fits':<38}"
         + "".join(f"{(str(p['smallest_tp'][pl]) if p['smallest_tp'][pl] else 'none'):>14}" for pl in PLACEMENTS),
+        f"  {'decode CUDA graphs kept':<38}" + "".join(f"{p['decode_graphs'][pl]['kept']:>14}" for pl in PLACEMENTS),
         "",
     ]
     d = p["host_dram_per_node"]
@@ -126,6 +127,14 @@ def _rows_per_rank(p: dict) -> list[str]:
     return lines
 
 
+def _staged_line(graphs: dict, st: dict) -> str:
+    """The disk step with decode graphs kept (staged), or why they are off (core/planning/graphs.py)."""
+    if graphs["kept"] == "no":
+        return f"  {'decode CUDA graphs':<38}{'off':>10}      ({graphs['why']})"
+    return (f"  {'exposed, staged CUDA graphs':<38}{st['exposed_ms_staged_graphs']:>10.2f} ms   (reads end before the "
+            f"replay; {graphs['why']})")
+
+
 def _disk(p: dict) -> list[str]:
     """Disk placement: the decode step's reads and what the placement saves."""
     d = p.get("disk")
@@ -145,7 +154,7 @@ def _disk(p: dict) -> list[str]:
         f"  {'read time per step':<38}{st['read_ms']:>10.2f} ms",
         f"  {'exposed, prefetch (lead ' + format(d['lead_ms'], 'g') + ' ms hidden)':<38}"
         f"{st['exposed_ms_prefetch']:>10.2f} ms",
-        f"  {'exposed, staged CUDA graphs':<38}{st['exposed_ms_staged_graphs']:>10.2f} ms   (reads end before the replay)",
+        _staged_line(p["decode_graphs"]["disk"], st),
         f"  {'DRAM cache per rank, GiB':<38}" + "".join(f"{c['dram_cache_gib']:>9g}" for c in d["by_dram_cache"]),
         f"  {'  hit rate':<38}" + "".join(f"{c['hit_rate']:>9.1%}" for c in d["by_dram_cache"]),
         f"  {'  exposed ms, prefetch':<38}" + "".join(f"{c['exposed_ms_prefetch']:>9.2f}" for c in d["by_dram_cache"]),

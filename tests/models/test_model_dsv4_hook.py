@@ -7,6 +7,7 @@ bit, in every placement (the only difference by design: our gather writes +0.0 f
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -469,6 +470,22 @@ def test_disk_graphs_are_refused_for_deepseek(table):
         open_runtime(table_dir, "disk", disk_graphs=True)
 
 
+def test_dsv4_disk_graphs_policy_is_the_planners(table, monkeypatch):
+    """The hook's refusal and the planner's "decode graphs kept" read one policy
+    (core/planning/graphs.py): changing it changes both."""
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.core.planning import graphs
+
+    table_dir, _, _ = table
+    monkeypatch.setitem(graphs.UNSTAGED_MODEL_TYPES, "deepseek_v4", "policy under test")
+    with pytest.raises(EngramError, match="policy under test: start without it"):
+        open_runtime(table_dir, "disk", disk_graphs=True)
+    disk = graphs.decode_graphs("deepseek_v41", "disk")
+    assert disk["kept"] == "no" and "policy under test" in disk["why"]
+    assert graphs.decode_graphs("qwen3_engram", "disk")["kept"] == "opt-in"
+    assert [graphs.decode_graphs("deepseek_v41", p)["kept"] for p in ("device", "host")] == ["yes", "yes"]
+
+
 def test_loader_skips_table_tensors_only_when_our_store_serves():
     from engram_sglang import plugin
     from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding
@@ -492,3 +509,56 @@ def test_loader_skips_table_tensors_only_when_our_store_serves():
     torch.nn.Module.__init__(model.embed)
     model.load_weights((n, None) for n in names)
     assert seen == ["model.layers.1.engram.wkv.weight"]
+
+
+# The start-up decision (docs/deploy-deepseek.md, "Who serves the tables"), row by row:
+# (our knobs, table directory, upstream's variables) -> who serves, or the one line that stops start-up.
+_HOST_TABLE = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1"}
+_DECISION = [
+    ("none", "absent", {}, "upstream", "loaded from the checkpoint"),
+    ("none", "absent", _HOST_TABLE, "upstream", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE set"),
+    ("none", "model dir", {}, "ours", None),
+    ("none", "model dir", _HOST_TABLE, "stop", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE is upstream's own table option"),
+    ("placement", "absent", {}, "stop", "ENGRAM_PLACEMENT is set but no Engram table directory was found"),
+    ("placement", "absent", _HOST_TABLE, "stop", "ENGRAM_PLACEMENT is set but no Engram table directory was found"),
+    ("table-dir", "found", {}, "ours", None),
+    ("table-dir", "found", {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "0"}, "ours", None),  # set off: no effect
+    ("table-dir", "missing", {}, "stop", "does not exist: mount the converted tables there, or pass -e ENGRAM_TABLE_DIR="),
+    ("table-dir empty", "absent", {}, "upstream", "upstream's own Engram tables serve"),  # `-e ENGRAM_TABLE_DIR=`
+] + [("table-dir", "found", {var: value}, "stop", f"{var} is upstream's own table option")
+     for var, value in (("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "true"), ("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
+                        "per_rank"), ("SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING", "1"),
+                        ("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "1"))]
+
+
+@pytest.mark.parametrize("knobs, tables, upstream, serves, line", _DECISION)
+def test_dsv4_startup_decision_table(table, tmp_path, caplog, knobs, tables, upstream, serves, line):
+    from engram_sglang.core.errors import EngramError
+    from engram_sglang.models import deepseek_v4_hook as hook
+    from engram_sglang.serving.settings import ServeSettings
+
+    table_dir, _, _ = table
+    model = tmp_path / "model"
+    model.mkdir()
+    if tables == "model dir":
+        (model / "engram_tables").symlink_to(table_dir)
+    env = dict(upstream)
+    if knobs == "placement":
+        env["ENGRAM_PLACEMENT"] = "host"
+    elif knobs == "table-dir":
+        env["ENGRAM_TABLE_DIR"] = str(table_dir if tables == "found" else tmp_path / "missing")
+    elif knobs == "table-dir empty":
+        env["ENGRAM_TABLE_DIR"] = ""
+    hook._said.clear()
+    decide = lambda: hook.who_serves(ServeSettings.from_env(env), str(model), env)  # noqa: E731
+    if serves == "stop":
+        with pytest.raises(EngramError, match=re.escape(line)) as e:
+            decide()
+        assert "\n" not in str(e.value)
+        return
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        got = decide()
+    if serves == "ours":
+        assert got is not None and got.resolve() == table_dir.resolve() and not caplog.records
+    else:
+        assert got is None and [r.getMessage() for r in caplog.records if line in r.getMessage()]

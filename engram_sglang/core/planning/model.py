@@ -28,6 +28,7 @@ from .data import (
     gpu_sku,
     load_facts,
 )
+from .graphs import decode_graphs
 
 HOST_LAYOUTS = ("shared", "per_rank")
 NUMA_MODES = ("auto", "interleave", "off")  # or a node number: --engram-host-numa (stores/numa.py)
@@ -582,6 +583,7 @@ class Planner:
             "disk_bytes_per_node": self.table_bytes if inp.placement == "disk" else 0,
             "host_link": self.host_link(tp),
             "rows_per_rank": self.rows_per_rank(tp),
+            "decode_graphs": {p: decode_graphs(self.facts.model_type, p) for p in PLACEMENTS},
             # The disk's decode step needs its IOPS; a capacity-only plan leaves it out (the report says so).
             "disk": self.disk(tp, per, smallest) if inp.placement == "disk" and (
                 inp.disk_iops is not None or inp.measure_disk) else None,
