@@ -128,6 +128,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU SKU from configs/gpus.json (H100, H200, B200, B300, GB200, MI300X, MI355X)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default: the smallest that fits with the chosen placement)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the deployment spans (SGLang's --nnodes); --tp may be at most GPUs per node x this (default 1)")
     p.add_argument("--placement", choices=PLACEMENTS, default="host",
                    help="where the tables live: " + "; ".join(f"{p.name}, {p.what}" for p in PLACEMENT_TABLE.values())
                    + " (default: host)")
@@ -201,6 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             lead_ms=args.lead_ms,
             batch=args.batch,
             warm_steps=args.warm_steps,
+            nnodes=args.nnodes,
         )
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)
