@@ -165,7 +165,7 @@ def _disk(p: dict) -> list[str]:
         f"{dev['smallest_tp']['device'] or 'none'} vs disk {dev['smallest_tp']['disk'] or 'none'}"
         + ("" if saved is None else f": {saved} GPU{'s' if abs(saved) != 1 else ''} saved per replica"),
         f"  {'vs host: DRAM per node':<38}{_fmt_gib(host['dram_saved_bytes_per_node']):>14}   saved "
-        f"({_fmt_gib(host['host_dram_bytes_per_node'])} of host tables vs {host['ranks_per_node']} ranks' DRAM caches "
+        f"({_fmt_gib(host['host_dram_bytes_per_node'])}, one shared copy of the host tables, vs {host['ranks_per_node']} ranks' DRAM caches "
         f"{_fmt_gib(host['disk_dram_cache_bytes_per_node'])})",
         f"  IOPS: {d['iops_source']}; latency: {d['latency_source']}",
         f"  lead: {d['lead_source']}",

@@ -472,7 +472,8 @@ class Planner:
             c["exposed_ms_prefetch"] = max(0.0, disk_model.read_time_ms(c["misses_per_step"], iops, latency) - lead)
         dram_node = self.host_dram(tp)
         ranks = dram_node["ranks_per_node"] * dram_node["replicas_per_node"]
-        host_bytes = dram_node["shared_bytes"] if inp.host_layout == "shared" else dram_node["per_rank_bytes"]
+        # The baseline is the host placement's least DRAM: one shared copy per node (not one per NUMA node).
+        host_bytes = self.table_bytes
         disk_dram = dram * ranks
         gpus = {p: (None if smallest[p] is None else smallest[p]) for p in ("device", "disk")}
         return {
