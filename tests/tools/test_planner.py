@@ -595,3 +595,21 @@ def test_plan_prints_a_launch_line_that_sglang_parses(capsys):
     server_args.ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(line.split("sglang.launch_server", 1)[1].split())
     assert ns.tp_size == p["tp"] and ns.ep_size == p["tp"] and ns.chunked_prefill_size == 8192
+
+
+def test_rank_lists_every_node_layout_best_first_with_its_launch_line(capsys):
+    from engram_sglang.tools.planner import main
+
+    assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200", "--rank", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["tp"], r["dp"]) for r in rows} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    assert all(r["tp"] * r["dp"] == 8 and r["pages"] and r["decode_graphs"] for r in rows)
+    best = rows[0]
+    assert best["fits"] and best["kv_tokens_per_node"] == max(r["kv_tokens_per_node"] for r in rows if r["fits"])
+    # Per-rank at TP8 holds one copy of the shards; shared holds one copy per NUMA node (two on H200).
+    tp8 = {r["host_layout"]: r for r in rows if r["tp"] == 8 and r["placement"] == "host"}
+    assert tp8["shared"]["dram_bytes_per_node"] == pytest.approx(2 * tp8["per_rank"]["dram_bytes_per_node"], rel=1e-4)
+    assert tp8["per_rank"]["dev_shm_bytes"] == 0 < tp8["shared"]["dev_shm_bytes"]
+    assert f"--tp-size {best['tp']} " in best["launch"]["command"]
+    assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200", "--rank"]) == 0
+    assert best["launch"]["command"] in capsys.readouterr().out
