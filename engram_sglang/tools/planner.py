@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 from ..core.errors import EngramError
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.planning import disk as disk_model
+from ..core.planning import layouts
 from ..core.planning.data import (
     GIB,
     MAX_GIB,
@@ -128,6 +129,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU SKU from configs/gpus.json (H100, H200, B200, B300, GB200, MI300X, MI355X)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default: the smallest that fits with the chosen placement)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the deployment spans (SGLang's --nnodes); --tp may be at most GPUs per node x this (default 1)")
     p.add_argument("--placement", choices=PLACEMENTS, default="host",
                    help="where the tables live: " + "; ".join(f"{p.name}, {p.what}" for p in PLACEMENT_TABLE.values())
                    + " (default: host)")
@@ -172,11 +175,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--batch", type=int, default=64, help="decode batch (requests per step; default 64)")
     d.add_argument("--warm-steps", type=int, default=None,
                    help="trace steps that only warm the caches (default: the first half)")
+    p.add_argument("--rank", action="store_true",
+                   help="rank the node's layouts (TP x DP, placement, host layout) and print the best's launch line")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of `engram-sglang plan`: prints the plan; one-line error and exit code 2 on bad input."""
+    if getattr(args, "rank", False):
+        return _cmd_rank(args)
     try:
         result = plan(
             model=args.model,
@@ -201,6 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             lead_ms=args.lead_ms,
             batch=args.batch,
             warm_steps=args.warm_steps,
+            nnodes=args.nnodes,
         )
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)
@@ -209,6 +217,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_text(result))
+    return 0
+
+
+def _cmd_rank(args: argparse.Namespace) -> int:
+    """`plan --rank`: every layout of one node, best first, and the best's launch line."""
+    try:
+        sku = gpu_sku(args.gpu)
+
+        def run(**kw):
+            return plan(model=args.model, gpu=args.gpu, hot_cache_gib=args.hot_cache_gib,
+                        kv_bytes_per_token=args.kv_bytes_per_token, weights_gib=args.weights_gib,
+                        reserve_gib=args.reserve_gib, min_kv_tokens=args.min_kv_tokens, **kw)
+
+        heads = run(tp=1, placement="host")["model"]["attention_heads"]
+        rows = layouts.rank(run, valid_tps(heads), sku.gpus_per_node)
+    except EngramError as e:
+        print(f"engram-sglang plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if args.json else "\n".join(layouts.format_rows(rows)))
     return 0
 
 

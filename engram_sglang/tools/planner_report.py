@@ -96,6 +96,7 @@ def format_text(p: dict[str, Any]) -> str:
         f"{hl['prefill_chunk_bytes'] / 1e6:>10.2f} MB   {hl['prefill_chunk_ms_at_peak']:.2f} ms at peak",
         *_rows_per_rank(p),
         *_disk(p),
+        *_launch(p),
         "",
         "Assumptions",
         *(f"  - {a}" for a in p["assumptions"]),
@@ -106,12 +107,22 @@ def format_text(p: dict[str, Any]) -> str:
 
 
 
+def _launch(p: dict) -> list[str]:
+    """The launch line of the planned layout (core/planning/launch.py)."""
+    if "launch" not in p:
+        return []
+    return ["", f"Launch (TP{p['tp']}, tables in {p['placement']}"
+                + (f", {p['host_layout']} layout" if p["placement"] == "host" else "") + ")",
+            f"  {p['launch']['command']}"]
+
+
 def _rows_per_rank(p: dict) -> list[str]:
     """Host placement with a shared copy: whole rows per rank or a shard + all-reduce."""
     r = p["rows_per_rank"]
     if p["placement"] != "host" or p["tp"] == 1:
         return []
-    lines = ["", f"Whole rows vs shard per rank (host placement, shared copy; TP{p['tp']}, {r['gpu_link'] or 'GPU link'} "
+    lines = ["", f"Rows per rank, recommended: {r['recommend'] or 'unknown'} (whole rows from one shared copy vs a "
+                 f"row-range shard; TP{p['tp']}, {r['gpu_link'] or 'GPU link'} "
                  f"{r['gpu_link_gbps'] or 0:g} GB/s)"]
     for phase, v in r["phases"].items():
         removed = v["allreduce_seconds_removed"]
@@ -163,7 +174,7 @@ def _disk(p: dict) -> list[str]:
         f"{dev['smallest_tp']['device'] or 'none'} vs disk {dev['smallest_tp']['disk'] or 'none'}"
         + ("" if saved is None else f": {saved} GPU{'s' if abs(saved) != 1 else ''} saved per replica"),
         f"  {'vs host: DRAM per node':<38}{_fmt_gib(host['dram_saved_bytes_per_node']):>14}   saved "
-        f"({_fmt_gib(host['host_dram_bytes_per_node'])} of host tables vs {host['ranks_per_node']} ranks' DRAM caches "
+        f"({_fmt_gib(host['host_dram_bytes_per_node'])}, one shared copy of the host tables, vs {host['ranks_per_node']} ranks' DRAM caches "
         f"{_fmt_gib(host['disk_dram_cache_bytes_per_node'])})",
         f"  IOPS: {d['iops_source']}; latency: {d['latency_source']}",
         f"  lead: {d['lead_source']}",

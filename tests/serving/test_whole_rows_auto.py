@@ -37,7 +37,9 @@ def test_a_device_name_names_its_sku(name, key):
 def test_auto_takes_the_planners_pick_for_every_sku_and_tp(key):
     for tp in (1, 2, 4, 8):
         whole, reason = choose(cfg=CFG, tp=tp, device_name=GPUS[key].name)
-        picked = plan(model="deepseek-v4.1-flash", gpu=key, tp=tp, placement="host")["rows_per_rank"]["recommend"]
+        nnodes = -(-tp // GPUS[key].gpus_per_node)  # GB200's 4-GPU trays need two for TP 8
+        picked = plan(model="deepseek-v4.1-flash", gpu=key, tp=tp, placement="host",
+                      nnodes=nnodes)["rows_per_rank"]["recommend"]
         assert whole == (picked in ("whole", None)), (key, tp, reason)
         assert reason and "\n" not in reason
 

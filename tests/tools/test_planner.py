@@ -330,7 +330,7 @@ def test_whole_rows_or_shard_per_sku_from_the_bytes():
 
     picks = {}
     for gpu in ("H100", "GB200"):
-        p = plan(model="deepseek-v4.1-flash", gpu=gpu, tp=8, placement="host")
+        p = plan(model="deepseek-v4.1-flash", gpu=gpu, tp=8, placement="host", nnodes=2)
         r = p["rows_per_rank"]
         decode = r["phases"]["decode"]
         tokens, cols = decode["tokens"], 24 * 2  # 2 Engram layers x 24 hash columns
@@ -340,7 +340,7 @@ def test_whole_rows_or_shard_per_sku_from_the_bytes():
         assert decode["host_bytes_added"] == int(tokens * cols * lines * 64 * 7 / 8)
         assert p["host_link"]["decode_step_bytes"] == decode["host_bytes_whole"]  # the shared layout reads whole rows
         picks[gpu] = r["recommend"]
-        assert r["reason"] and "Whole rows vs shard per rank" in format_text(p)
+        assert r["reason"] and f"Rows per rank, recommended: {r['recommend']}" in format_text(p)
     assert picks == {"H100": "sharded", "GB200": "whole"}
     tp1 = whole_rows.compare(tokens_by_phase={"decode": 256}, layers=2, columns=24, head_dim=256, lines_per_row=5,
                              tp=1, host_gbps=64, gpu_gbps=450)
@@ -449,7 +449,9 @@ def test_disk_prediction_arithmetic_on_the_default_curve():
     assert d["vs_device"]["hbm_freed_bytes_per_gpu"] == p["hbm_per_gpu"]["disk"]["hbm_freed_bytes"] > 40 * GIB
     h = d["vs_host"]
     assert h["disk_dram_cache_bytes_per_node"] == 8 * 4 * GIB
-    assert h["dram_saved_bytes_per_node"] == p["host_dram_per_node"]["shared_bytes"] - 8 * 4 * GIB
+    # Against the host placement's least DRAM: one shared copy (H200's two NUMA nodes would hold two with auto).
+    assert p["host_dram_per_node"]["shared_bytes"] == 2 * p["tables"]["total_bytes"]
+    assert h["dram_saved_bytes_per_node"] == p["tables"]["total_bytes"] - 8 * 4 * GIB
     assert d["vs_device"]["smallest_tp"] == {"device": p["smallest_tp"]["device"], "disk": p["smallest_tp"]["disk"]}
     assert d["lead_source"].startswith("--lead-ms") and d["iops_source"] == "--disk-iops"
     text = format_text(p)
@@ -575,3 +577,43 @@ def test_measure_disk_with_fio(tmp_path):
     f.write_bytes(bytes(4 << 20))
     m = disk_plan.measure_disk(f, seconds=0.3, depth=8)
     assert m["iops"] > 0 and 0 < m["latency_ms"] < 1000 and m["tool"].startswith("fio libaio 4k O_DIRECT qd8")
+
+
+def test_tp_above_the_nodes_gpus_is_refused_in_one_line():
+    with pytest.raises(EngramError) as e:
+        plan(model="deepseek-v4.1-flash", gpu="H200", tp=16, placement="host")
+    assert "\n" not in str(e.value) and "--tp 16" in str(e.value) and "(8)" in str(e.value)
+    assert plan(model="deepseek-v4.1-flash", gpu="H200", tp=16, placement="host", nnodes=2)["tp"] == 16
+
+
+def test_plan_prints_a_launch_line_that_sglang_parses(capsys):
+    from engram_sglang.tools.planner import main
+
+    assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("docker run"))
+    p = plan(model="deepseek-v4.1-flash", gpu="H200", placement="host")
+    assert f"--shm-size={p['dev_shm']['docker_shm_size']}" in line and "-e ENGRAM_PLACEMENT=host" in line
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="SGLang is not installed")
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(line.split("sglang.launch_server", 1)[1].split())
+    assert ns.tp_size == p["tp"] and ns.ep_size == p["tp"] and ns.chunked_prefill_size == 8192
+
+
+def test_rank_lists_every_node_layout_best_first_with_its_launch_line(capsys):
+    from engram_sglang.tools.planner import main
+
+    assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200", "--rank", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["tp"], r["dp"]) for r in rows} == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    assert all(r["tp"] * r["dp"] == 8 and r["pages"] and r["decode_graphs"] for r in rows)
+    best = rows[0]
+    assert best["fits"] and best["kv_tokens_per_node"] == max(r["kv_tokens_per_node"] for r in rows if r["fits"])
+    # Per-rank at TP8 holds one copy of the shards; shared holds one copy per NUMA node (two on H200).
+    tp8 = {r["host_layout"]: r for r in rows if r["tp"] == 8 and r["placement"] == "host"}
+    assert tp8["shared"]["dram_bytes_per_node"] == pytest.approx(2 * tp8["per_rank"]["dram_bytes_per_node"], rel=1e-4)
+    assert tp8["per_rank"]["dev_shm_bytes"] == 0 < tp8["shared"]["dev_shm_bytes"]
+    assert f"--tp-size {best['tp']} " in best["launch"]["command"]
+    assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200", "--rank"]) == 0
+    assert best["launch"]["command"] in capsys.readouterr().out

@@ -29,6 +29,7 @@ from .data import (
     load_facts,
 )
 from .graphs import decode_graphs
+from .launch import launch
 
 HOST_LAYOUTS = ("shared", "per_rank")
 NUMA_MODES = ("auto", "interleave", "off")  # or a node number: --engram-host-numa (stores/numa.py)
@@ -74,6 +75,8 @@ class PlanInputs:
     lead_ms: Optional[float] = None
     batch: int = 64
     warm_steps: Optional[int] = None
+    # Nodes of the deployment (SGLang's --nnodes): TP may span gpus_per_node x nnodes GPUs.
+    nnodes: int = 1
 
 
 def row_bytes(cfg: EngramConfig) -> int:
@@ -176,8 +179,13 @@ class Planner:
             overrides["weight_bytes"] = int(round(inputs.weights_gib * GIB))
             facts.sources["weight_bytes"] = "--weights-gib"
         self.facts = dataclasses.replace(facts, **overrides)
+        bounded(inputs.nnodes, "--nnodes", 1, MAX_TP, whole=True)
         if inputs.tp is not None:
             _check_tp(inputs.tp, self.facts)
+            gpus = self.gpu.gpus_per_node * inputs.nnodes
+            if inputs.tp > gpus:
+                raise PlannerError(f"--tp {inputs.tp} needs more GPUs than {inputs.nnodes} node(s) of "
+                                   f"{self.gpu.gpus_per_node} {self.gpu.key} have ({gpus}); pass --nnodes or a smaller --tp")
         if inputs.min_kv_tokens is not None and (
             isinstance(inputs.min_kv_tokens, bool) or not isinstance(inputs.min_kv_tokens, int) or inputs.min_kv_tokens < 0
         ):
@@ -479,7 +487,8 @@ class Planner:
             c["exposed_ms_prefetch"] = max(0.0, disk_model.read_time_ms(c["misses_per_step"], iops, latency) - lead)
         dram_node = self.host_dram(tp)
         ranks = dram_node["ranks_per_node"] * dram_node["replicas_per_node"]
-        host_bytes = dram_node["shared_bytes"] if inp.host_layout == "shared" else dram_node["per_rank_bytes"]
+        # The baseline is the host placement's least DRAM: one shared copy per node (not one per NUMA node).
+        host_bytes = self.table_bytes
         disk_dram = dram * ranks
         gpus = {p: (None if smallest[p] is None else smallest[p]) for p in ("device", "disk")}
         return {
@@ -589,10 +598,14 @@ class Planner:
                 inp.disk_iops is not None or inp.measure_disk) else None,
             "assumptions": self.assumptions(tp),
             "warnings": warnings,
+            "nnodes": inp.nnodes,
+            "hot_cache_gib": inp.hot_cache_gib,
         }
 
 
 def plan(**kwargs: Any) -> dict[str, Any]:
     """The plan as a dict (what `--json` prints); keyword arguments are PlanInputs fields."""
-    return Planner(PlanInputs(**kwargs)).plan()
+    result = Planner(PlanInputs(**kwargs)).plan()
+    result["launch"] = launch(result, result["nnodes"])
+    return result
 
