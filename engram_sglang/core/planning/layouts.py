@@ -8,15 +8,14 @@ from typing import Any, Callable
 from .data import GIB
 
 
-def page_and_graphs(placement: str, host_layout: str) -> dict[str, str]:
-    """Page size / huge pages of the tables and the decode CUDA graphs kept, per placement.
-    Stub of today's facts (the GPU and DeepSeek issues refine it): host tables in 4 KiB pages of
-    /dev/shm (shared) or anonymous memory (per rank); disk reads bypass graphs."""
-    if placement == "device":
-        return {"pages": "HBM", "decode_graphs": "kept"}
-    if placement == "host":
-        return {"pages": "4K shm" if host_layout == "shared" else "4K anon", "decode_graphs": "kept"}
-    return {"pages": "4K page cache", "decode_graphs": "staged"}
+def page_and_graphs(placement: str, host_layout: str, graphs: dict[str, Any]) -> dict[str, str]:
+    """Page size / huge pages of the tables (today's facts: host tables in 4 KiB pages of
+    /dev/shm or anonymous memory, until the node's huge-page settings are read) and whether
+    decode CUDA graphs are kept (`graphs`: the plan's `decode_graphs` entry, planning/graphs.py)."""
+    pages = {"device": "HBM", "disk": "4K page cache"}.get(placement)
+    if pages is None:
+        pages = "4K shm" if host_layout == "shared" else "4K anon"
+    return {"pages": pages, "decode_graphs": graphs["kept"]}
 
 
 def candidates(tps: list[int], gpus_per_node: int) -> list[tuple[int, str, str]]:
@@ -47,7 +46,7 @@ def rank(run: Callable[..., dict[str, Any]], tps: list[int], gpus_per_node: int)
             "kv_tokens_per_node": (h["kv_tokens"] or 0) * dp,
             "dram_bytes_per_node": dram,
             "dev_shm_bytes": p["dev_shm"]["needed_bytes"],
-            **page_and_graphs(placement, layout),
+            **page_and_graphs(placement, layout, p["decode_graphs"][placement]),
             "launch": p["launch"],
         })
     rows.sort(key=lambda r: (not r["fits"], -r["kv_tokens_per_node"], r["dram_bytes_per_node"]))
