@@ -1,28 +1,11 @@
-"""sglang.srt.disaggregation.decode: the decode side of PD disaggregation registers the Engram
-state (per-KV-slot conv inputs, the Engram identity) as state components of SGLang's own KV
-transfer, after SGLang's (serving/pd.py)."""
+"""sglang.srt.disaggregation.decode: the decode server registers the same components as the
+prefill server (disaggregation_prefill.py), in the same order, to receive them into; it checks
+the identity that arrived before it decodes the request (serving/pd.py, `check_step`)."""
 
 from __future__ import annotations
 
-import functools
-
+from ..serving import pd
 from .targets import Target
 
 MODULE = "sglang.srt.disaggregation.decode"
-
-
-def setup_state_kv_args(original):
-    @functools.wraps(original)
-    def setup(kv_args, token_to_kv_pool, *args, **kwargs):
-        from sglang.srt.runtime_context import get_disagg
-
-        from ..serving import pd
-
-        original(kv_args, token_to_kv_pool, *args, **kwargs)
-        pd.add_state_components(kv_args, token_to_kv_pool, kwargs.get("req_to_token_pool"), "decode",
-                                str(get_disagg().disaggregation_transfer_backend))
-
-    return setup
-
-
-TARGETS = (Target(MODULE, "setup_state_kv_args", "replace", setup_state_kv_args),)
+TARGETS = (Target(MODULE, "setup_state_kv_args", "replace", lambda original: pd.with_engram_state(original)),)

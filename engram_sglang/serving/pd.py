@@ -6,7 +6,7 @@ conv inputs of the 12 tokens before each token, kept per KV slot beside SGLang's
 (models/qwen3_engram.py): a transfer that moves only the KV leaves the decode server's conv
 inputs of every prompt position zero, and its first windows wrong. So each side registers
 two state components with SGLang's transfer (`setup_state_kv_args`, plugin hooks
-disaggregation_prefill.py / disaggregation_decode.py), and SGLang computes their index
+disaggregation_prefill.py, disaggregation_decode.py), and SGLang computes their index
 payloads on both sides as for its own state:
 
 * the conv inputs of every Engram layer, page-indexed like the KV (one item per KV page,
@@ -25,6 +25,7 @@ path; tested here over TCP). NIXL, Mori and Ascend are untested and refused in o
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -78,6 +79,23 @@ def register(kv_pool, conv: Sequence[torch.Tensor], layer_ids: Sequence[int], id
 def active() -> Optional[PdState]:
     """This process's state once registered with a PD transfer, else None."""
     return next((s for s in _STATES.values() if s.role is not None), None)
+
+
+def with_engram_state(setup_state_kv_args):
+    """SGLang's `setup_state_kv_args`, then the Engram components of this server's side (its
+    `--disaggregation-mode`): the plugin's replacement of it in SGLang's prefill and decode
+    modules (plugin/disaggregation_prefill.py, plugin/disaggregation_decode.py)."""
+
+    @functools.wraps(setup_state_kv_args)
+    def setup(kv_args, token_to_kv_pool, *args, **kwargs):
+        from sglang.srt.runtime_context import get_disagg
+
+        setup_state_kv_args(kv_args, token_to_kv_pool, *args, **kwargs)
+        disagg = get_disagg()
+        add_state_components(kv_args, token_to_kv_pool, kwargs.get("req_to_token_pool"),
+                             str(disagg.disaggregation_mode), str(disagg.disaggregation_transfer_backend))
+
+    return setup
 
 
 def add_state_components(kv_args, kv_pool, req_to_token_pool, role: str, backend: str) -> None:
