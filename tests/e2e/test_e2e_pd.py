@@ -9,9 +9,10 @@ second decode server with the two negative controls (`--engram-debug skip-conv-t
 corrupt-history`) continues two more prompts of the same prefill server, driven as the
 router drives a pair (bootstrap host, port and room to both servers).
 
-Checked: every completion equals the reference forward's in its mode; on both sides every
-traced token's hash ids and row checksums equal the reference's; every entry of every traced
-token's conv window equals the conv input its position had where it was computed (prefill,
+Checked: every completion equals the reference forward's in its mode, the decode server having
+checked each request's Engram identity as it arrived (the refusal: tests/serving/test_pd.py);
+on both sides every traced token's hash ids and row checksums equal the reference's; every
+entry of every traced token's conv window equals the conv input its position had where it was computed (prefill,
 another chunk, or decode), so the decode server's windows over prompt positions hold what the
 prefill server computed. The controls fail on those checksums: conv windows over prompt
 positions that do not hold the prefill server's conv inputs (and only those), hash ids that
@@ -192,8 +193,14 @@ def test_pd_completions_through_the_router_equal_the_reference(pd, checked):
     for o in pd["outs"]:
         assert o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == NEW, o["meta_info"]
     assert [o["output_ids"] for o in pd["outs"]] == checked["greedy"]
+    identities = set()
     for side in ("prefill", "decode"):
-        assert "engram PD (%s): conv state of 2 Engram layers" % side in pd["logs"][side]
+        line = next(ln for ln in pd["logs"][side].splitlines() if f"engram PD ({side}): conv state of 2" in ln)
+        identities.add(line.split("identity: ")[1])
+    # The decode server checked every request's identity row (serving/pd.py): one that had not
+    # arrived, or differed, would have failed the request.
+    assert len(identities) == 1 and "ablation on" in identities.pop()
+    assert "its transfer is refused" not in pd["logs"]["decode"]
 
 
 def test_pd_traced_lookups_on_both_sides_equal_the_reference(checked):
