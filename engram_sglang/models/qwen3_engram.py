@@ -36,6 +36,7 @@ from torch import nn
 
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
+from ..core.rowformat import bf16_bits
 from .layer import EngramLayer
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class ServingEngramLayer(EngramLayer):
         return self._cache
 
     def forward_batch(self, h: torch.Tensor, rows: torch.Tensor, token_req: torch.Tensor, positions: torch.Tensor,
-                      forward_batch: ForwardBatch, on: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      forward_batch: ForwardBatch, on: Optional[torch.Tensor] = None,
+                      window_sums: Optional[list] = None) -> torch.Tensor:
         """Engram output [T, D] for a batch: h [T, D], rows [T, C, 256]; `on` bool [T]: the
         tokens with Engram on (serving/modes.py; None: all), the others add 0 and keep a
-        zero conv input."""
+        zero conv input. `window_sums` (the trace's): gets each token's conv window checksums,
+        int64 [T, kernel], one per entry (its bf16 bits summed), oldest first."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         value = self.gated_value(h, rows)
@@ -90,6 +93,8 @@ class ServingEngramLayer(EngramLayer):
         src = positions.to(torch.int64).unsqueeze(-1) - back  # [T, K]
         slots = req_to_token[token_req.unsqueeze(-1), src.clamp_min(0)].to(torch.int64)
         window = cache[slots].masked_fill((src < 0).unsqueeze(-1), 0)
+        if window_sums is not None:
+            window_sums.append(bf16_bits(window).to(torch.int64).sum(-1))
         return self.finish(value, window, h.dtype, on)
 
 
@@ -197,8 +202,13 @@ class Qwen3EngramForCausalLM(nn.Module):
         exists, before attention backends and CUDA-graph capture)."""
         weight = self.model.embed_tokens.weight
         slots = ServingEngramLayer.cache_slots(token_to_kv_pool)
-        for layer in self._engram_layers():
-            layer.allocate_cache(slots, weight.dtype, weight.device)
+        caches = [layer.allocate_cache(slots, weight.dtype, weight.device) for layer in self._engram_layers()]
+        # Under PD disaggregation they travel with SGLang's KV transfer (serving/pd.py).
+        from ..serving import pd
+
+        layer_ids = [layer.layer_id for layer in self.model.layers if layer.engram is not None]
+        pd.register(token_to_kv_pool, caches, layer_ids, self.runtime.pd_identity(),
+                    self.settings.debug)
 
     @property
     def start_layer(self) -> int:
@@ -224,7 +234,11 @@ class Qwen3EngramForCausalLM(nn.Module):
             if layer.engram is not None:
                 t0 = time.perf_counter()
                 rows = self.runtime.rows(step, layer.layer_id)
-                h = h + layer.engram.forward_batch(h, rows, token_req, positions, forward_batch, on=step.on)
+                sums = [] if self.runtime.tracing and not step.captured else None
+                h = h + layer.engram.forward_batch(h, rows, token_req, positions, forward_batch, on=step.on,
+                                                   window_sums=sums)
+                if sums:
+                    step.windows[layer.layer_id] = sums[0]
                 engram_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             h = layer(positions, h, forward_batch)

@@ -36,6 +36,9 @@ What it installs (one hooks module each):
 * with `--engram-disk-graphs on`, decode graphs kept for disk: buffers reserved before SGLang's
   decode graphs are captured, each step's rows staged into them before the replay
   (decode_cuda_graph_runner.py);
+* under PD disaggregation, the per-KV-slot conv inputs and the Engram identity registered as
+  state components of SGLang's KV transfer on both sides, the transfer backend checked
+  (disaggregation_prefill.py, disaggregation_decode.py; serving/pd.py);
 * CUDA graphs off, with one line, for a placement that reads row ids on the host (disk)
   and for the per-step trace (server_args.py, serving/graphs.py).
 """
@@ -66,6 +69,8 @@ HOOKS = {
     "sglang.srt.model_executor.pool_configurator": "pool_configurator",
     "sglang.srt.model_executor.model_runner": "model_runner",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner": "decode_cuda_graph_runner",
+    "sglang.srt.disaggregation.prefill": "disaggregation_prefill",
+    "sglang.srt.disaggregation.decode": "disaggregation_decode",
 }
 
 

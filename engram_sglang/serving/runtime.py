@@ -30,6 +30,7 @@ from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
+from . import pd
 from .identity import agree_over_tp_group, serving_identity
 from .modes import SLOTS
 from .ranks import rank_labels, stats_path
@@ -91,6 +92,7 @@ class EngramStep:
     mode: str
     handles: dict  # layer id -> Prefetch (or None when prefetch is off)
     rows: dict = dataclasses.field(default_factory=dict)  # layer id -> rows the layer used
+    windows: dict = dataclasses.field(default_factory=dict)  # layer id -> int64 [T, kernel] conv window sums
     wait_seconds: float = 0.0
     engram_seconds: float = 0.0  # time in the Engram layers, where the model does not time them (DeepSeek)
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -347,6 +349,14 @@ class EngramRuntime:
                           captured=capturing, padding=padding)
         if not capturing:
             self._open_step = step
+            # PD decode: a request whose state came from a prefill server of other tables or
+            # settings fails here, before its first decode step is served (serving/pd.py).
+            refused = pd.check_step(token_req, mode)
+            if refused:
+                with self._lock:
+                    for slot, why in refused.items():
+                        self._failed.setdefault(slot, why)
+                logger.error("engram-sglang: %s; failing %d request(s)", next(iter(refused.values())), len(refused))
         return step
 
     @staticmethod
@@ -553,6 +563,15 @@ class EngramRuntime:
     def describe(self) -> list[str]:
         return [self.stores[L].describe() for L in self.cfg.layer_ids]
 
+    def pd_identity(self) -> bytes:
+        """What a PD pair must agree on (serving/pd.py): the tables' content and the settings
+        that change outputs, as the TP ranks agree on them (serving/identity.py)."""
+        return pd.identity_line(self.identity["tables"], self.settings.mode, self.settings.ablation)
+
+    @property
+    def tracing(self) -> bool:
+        return self._trace is not None
+
     def close(self) -> None:
         _RUNTIMES.discard(self)  # no longer reported, nor found by a model's hook
         maintenance.unregister(self)
@@ -597,7 +616,8 @@ class WriteGuard:
 
 class _TraceWriter:
     """One JSON line per step: per token its request slot, position, token id, and per
-    Engram layer its hash ids and the checksum of the rows the layer used."""
+    Engram layer its hash ids, the checksum of the rows the layer used and, where the model
+    keeps conv inputs (Qwen3 family), the checksum of each entry of its conv window."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -615,6 +635,8 @@ class _TraceWriter:
             "tok": step.input_ids.tolist(),
             "ids": {str(L): step.hash_ids[:, i].tolist() for i, L in enumerate(layer_ids)},
             "sum": {str(L): row_checksums(step.rows[L]).tolist() for L in layer_ids if L in step.rows},
+            # per token, per entry of its conv window (oldest first, its own conv input last)
+            "conv": {str(L): step.windows[L].tolist() for L in layer_ids if L in step.windows},
         }
         self.step += 1
         try:

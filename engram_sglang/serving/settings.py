@@ -23,7 +23,7 @@ from ..core.placement_table import placement as placement_spec
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
 NUMA_MODES, MAX_NUMA_NODES = ("auto", "interleave", "off"), 1024  # stores.numa.MODES, MAX_NODES (it loads torch)
 
-DEBUG_KNOBS = ("corrupt-history", "skip-wait")
+DEBUG_KNOBS = ("corrupt-history", "skip-wait", "skip-conv-transfer")
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
 
 
@@ -98,7 +98,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("stats-file", "str", None, "keep table statistics (JSON) up to date in this file, one per rank: `{rank}` in "
          "the path becomes tpN.dpM (tpN.dpM.ppK with pipeline stages), else with TP, DP or PP > 1 it goes before the "
          "extension"),
-    Knob("debug", "list", (), "negative controls for tests only: corrupt-history, skip-wait", DEBUG_KNOBS),
+    Knob("debug", "list", (), "negative controls for tests only: corrupt-history, skip-wait, skip-conv-transfer "
+         "(PD decode)", DEBUG_KNOBS),
 )
 
 

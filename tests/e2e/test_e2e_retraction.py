@@ -76,21 +76,21 @@ def wait_for_decode(trace: Path, after: int, width: int, timeout: float = 120) -
 
 def trace_records(steps: list[dict]) -> list[dict]:
     """Per request lifetime in a slot (as demo_support.trace_requests, plus each token's
-    step mode): a slot's tokens continue its record while their positions follow on."""
+    step mode and conv-window checksums): a slot's tokens continue its record while their
+    positions follow on."""
     records, current = [], {}
     for step in steps:
         for t, (slot, pos, tok) in enumerate(zip(step["req"], step["pos"], step["tok"])):
             r = current.get(slot)
             if r is None or r["pos"][-1] + 1 != pos:
-                r = current[slot] = {"tok": [], "pos": [], "mode": [], "ids": {}, "sum": {}}
+                r = current[slot] = {"tok": [], "pos": [], "mode": [], "ids": {}, "sum": {}, "conv": {}}
                 records.append(r)
             r["tok"].append(tok)
             r["pos"].append(pos)
             r["mode"].append(step["mode"])
-            for layer, ids in step["ids"].items():
-                r["ids"].setdefault(layer, []).append(ids[t])
-            for layer, sums in step["sum"].items():
-                r["sum"].setdefault(layer, []).append(sums[t])
+            for key in ("ids", "sum", "conv"):  # conv: each token's conv-window entry checksums
+                for layer, values in step.get(key, {}).items():
+                    r[key].setdefault(layer, []).append(values[t])
     return records
 
 

@@ -220,6 +220,68 @@ def test_steps_of_upstreams_hasher_are_served_through_the_runtime(parallel, tabl
     assert Prefetch.dropped == dropped
 
 
+def test_a_pd_decode_prebuilt_batch_is_seeded_by_sglang_and_decodes_through_the_runtime(parallel, table, rng):
+    """PD disaggregation, module level: the prefill side's runtime serves the prompt's extend;
+    the decode side's (its stores opened again, as the decode server opens them; the same
+    Engram identity) gets SGLang's prebuilt batch, whose Engram history upstream's
+    NgramEmbeddingManager seeds from the request's tokens without a forward: no step, no
+    prefetch (no layer reads rows for it). Its decode steps then hash as one pass over the
+    whole sequence would, their rows exact and counted in the statistics. The control: a slot
+    the prebuilt batch did not seed hashes other ids."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.model_runner_components.ngram_embedding_manager import NgramEmbeddingManager
+
+    from engram_sglang.core.stores import maintenance
+
+    table_dir, packed, layout = table
+    hasher, ours = upstream_hasher(rng)
+    seq = torch.randint(0, CFG.vocab_size, (12,), generator=rng)  # a 9-token prompt, then 3 outputs
+    prompt_len = 9
+
+    def served(runtime, embeds, mode, slots, lens, positions, tokens):
+        fb = batch(mode, slots, lens, positions, tokens)
+        ids = hasher(tokens, fb)
+        for i, L in enumerate(CFG.layer_ids):
+            assert torch.equal(bf16_bits(embeds[L](ids[:, i], fb)), expected(packed[L], ids[:, i]))
+        maintenance.between_steps()
+        return ids
+
+    runtime = open_runtime(table_dir, "host")  # the prefill server's
+    try:
+        served(runtime, embeddings(runtime, layout), "extend", [2], [prompt_len], list(range(prompt_len)),
+               seq[:prompt_len])
+        prefill_identity = runtime.pd_identity()
+    finally:
+        runtime.close()
+    hasher.init_history(8, "cpu")  # the decode server's hasher: no history of its own
+    runtime = open_runtime(table_dir, "host")
+    started = []
+    for store in runtime.stores.values():
+        real = store.prefetch
+        store.prefetch = lambda ids, real=real: started.append(ids) or real(ids)
+    try:
+        embeds = embeddings(runtime, layout)
+        assert runtime.pd_identity() == prefill_identity
+        manager = NgramEmbeddingManager(enabled=False, table=None, n=0, engram_hasher=hasher)
+        req = SimpleNamespace(origin_input_ids=seq[:prompt_len].tolist(), output_ids=[int(seq[prompt_len])],
+                              kv=SimpleNamespace(req_pool_idx=5))
+        prebuilt = SimpleNamespace(forward_mode=ForwardMode.PREBUILT, reqs=[req])
+        assert manager.prepare_for_forward(prebuilt, chunked_req=None) is prebuilt
+        assert runtime.current_step is None and started == [] and runtime.stats()["steps"] == 0
+        for pos in range(prompt_len, len(seq)):
+            ids = served(runtime, embeds, "decode", [5, 6], [1, 1], [pos, pos], seq[pos:pos + 1].repeat(2))
+            whole = ours.hash_sequence(seq[:pos + 1].tolist())[pos]
+            assert torch.equal(ids[0], whole)  # seeded by SGLang's prebuilt batch
+            if pos == prompt_len:
+                assert not torch.equal(ids[1], whole)  # slot 6: never seeded
+        assert len(started) == len(CFG.layer_ids) * (len(seq) - prompt_len)  # the decode steps' own
+        stats = runtime.stats()
+        assert stats["steps"] == stats["forward_steps"] == len(seq) - prompt_len
+        assert stats["tokens"] == 2 * (len(seq) - prompt_len)
+    finally:
+        runtime.close()
+
+
 def test_a_decode_step_captured_into_a_cuda_graph_gathers_the_graphs_own_ids(parallel, table, rng):
     """Upstream hashes a decode step inside the captured graph: no prefetch is started there and
     no Python state of the runtime, its stores or the hasher changes (a replay runs none); each

@@ -191,13 +191,20 @@ def test_serving_layer_allocates_eagerly_and_counts_its_bytes():
     # The model-level methods, on a stand-in holding two Engram layers and one plain layer.
     embed = torch.nn.Embedding(10, 64).to(torch.bfloat16)
     fake = types.SimpleNamespace(model=types.SimpleNamespace(
-        embed_tokens=embed, layers=[types.SimpleNamespace(engram=ServingEngramLayer(64, 24, 256, 4)),
-                                    types.SimpleNamespace(engram=None),
-                                    types.SimpleNamespace(engram=ServingEngramLayer(64, 24, 256, 4))]))
+        embed_tokens=embed, layers=[types.SimpleNamespace(engram=ServingEngramLayer(64, 24, 256, 4), layer_id=0),
+                                    types.SimpleNamespace(engram=None, layer_id=1),
+                                    types.SimpleNamespace(engram=ServingEngramLayer(64, 24, 256, 4), layer_id=2)]),
+        runtime=types.SimpleNamespace(pd_identity=lambda: b"tables"), settings=types.SimpleNamespace(debug=()))
     fake._engram_layers = types.MethodType(Qwen3EngramForCausalLM._engram_layers, fake)
     assert Qwen3EngramForCausalLM.engram_bytes_per_kv_token(fake) == 2 * 64 * 2
     Qwen3EngramForCausalLM.init_engram_buffers(fake, pool)
-    assert [layer.engram._cache.shape for layer in fake.model.layers if layer.engram] == [(102, 64), (102, 64)]
+    caches = [layer.engram._cache for layer in fake.model.layers if layer.engram]
+    assert [c.shape for c in caches] == [(102, 64), (102, 64)]
+    # ... and registered with the pool for a PD transfer (serving/pd.py), by model layer id.
+    from engram_sglang.serving import pd
+
+    state = pd._STATES.pop(id(pool))
+    assert state.conv == caches and state.layer_ids == [0, 2] and state.identity == b"tables"
 
 
 # ------------------------------------------------------------ real SGLang, on the CPU

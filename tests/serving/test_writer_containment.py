@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /
 def _step():
     return types.SimpleNamespace(
         mode="on", on=None, token_req=torch.tensor([0]), positions=torch.tensor([0]),
-        input_ids=torch.tensor([5]), hash_ids=torch.zeros(1, 1, dtype=torch.long), rows={},
+        input_ids=torch.tensor([5]), hash_ids=torch.zeros(1, 1, dtype=torch.long), rows={}, windows={},
     )
 
 
