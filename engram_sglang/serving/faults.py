@@ -20,6 +20,7 @@ from http import HTTPStatus
 
 import torch
 
+from .modes import request_slot
 from .runtime import active_runtimes
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def abort_failed_requests(scheduler, batch) -> int:
     if not failed and tp <= 1:
         return 0
     reqs = list(getattr(batch, "reqs", None) or [])
-    flags = torch.tensor([1 if _slot(r) in failed else 0 for r in reqs], dtype=torch.int32)
+    flags = torch.tensor([1 if request_slot(r) in failed else 0 for r in reqs], dtype=torch.int32)
     group = getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)
     if tp > 1 and group is not None and reqs and _reads_on_host(runtimes):
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -51,7 +52,7 @@ def abort_failed_requests(scheduler, batch) -> int:
     aborted = 0
     for req, flag in zip(reqs, flags.tolist()):
         if flag and not req.finished():
-            reason = failed.get(_slot(req), "engram: a table read failed on another tensor-parallel rank")
+            reason = failed.get(request_slot(req), "engram: a table read failed on another tensor-parallel rank")
             req.to_finish = FINISH_ABORT(f"{reason} (request aborted; the server keeps serving)",
                                          HTTPStatus.INTERNAL_SERVER_ERROR, ERROR_TYPE)
             aborted += 1
@@ -62,8 +63,3 @@ def abort_failed_requests(scheduler, batch) -> int:
 def _reads_on_host(runtimes) -> bool:
     return any(s.needs_host_ids for r in runtimes for s in r.stores.values())
 
-
-def _slot(req) -> int:
-    """A request's req_to_token row (SGLang 0.5.23 keeps it on the request's KV record)."""
-    kv = getattr(req, "kv", None)
-    return kv.req_pool_idx if kv is not None else req.req_pool_idx

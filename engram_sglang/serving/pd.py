@@ -15,8 +15,9 @@ payloads on both sides as for its own state:
 * this side's Engram identity, one row per request slot (SGLang's `REQUEST_ROW` payload):
   the tables' content identity and the settings that change outputs (mode, ablation). A
   prefill server fills every row with its own; the decode server checks the rows that
-  arrived before it decodes a request and fails the request, in one line, when they differ
-  (`check_step`), as a failed row read fails it (serving/faults.py).
+  arrived when SGLang hands it the transferred requests (its prebuilt batch, before their
+  first decode step, eager or replayed) and finishes a request whose rows differ with HTTP
+  400 and one line (`refuse_mismatched_transfers`); the server goes on.
 
 Carried by the Mooncake backend (`mooncake`, `mooncake_tcp`: its page-indexed generic state
 path; tested here over TCP). NIXL, Mori and Ascend are untested and refused in one line, as is
@@ -138,22 +139,60 @@ def add_state_components(kv_args, kv_pool, req_to_token_pool, role: str, backend
                 state.identity.rstrip(b"\0").decode())
 
 
-def check_step(token_req: torch.Tensor, mode: str) -> dict[int, str]:
-    """On a decode server: request slot -> why its transfer is refused, for the step's slots
-    whose identity rows (what the prefill server sent) differ from this server's. A slot this
-    server prefills itself (a retracted request computed again) gets its own identity."""
+def check_transferred(slots: Sequence[int]) -> dict[int, str]:
+    """On a decode server: request slot -> why its transfer is refused, for newly transferred
+    requests (SGLang's prebuilt batch) whose identity row (what the prefill server sent)
+    differs from this server's. Read on the scheduler, before the request's first decode step
+    (eager or a CUDA-graph replay), from host memory: no device sync. Each row is cleared once
+    read, so a slot reused by a request whose transfer carried no identity never passes on its
+    predecessor's."""
     state = active()
-    if state is None or state.role != "decode" or state.rows is None or not token_req.numel():
+    if state is None or state.role != "decode" or state.rows is None or not len(slots):
         return {}
-    slots = torch.unique(token_req[token_req >= 0].cpu())
+    index = torch.tensor(list(slots), dtype=torch.long)
     ours = torch.frombuffer(bytearray(state.identity), dtype=torch.uint8)
-    if mode == "extend":
-        state.rows[slots] = ours
-        return {}
-    bad = slots[(state.rows[slots] != ours).any(-1)]
+    got = state.rows[index].clone()
+    state.rows[index] = 0
     out = {}
-    for slot in bad.tolist():
-        theirs = bytes(state.rows[slot].tolist()).rstrip(b"\0").decode(errors="replace") or "none: not transferred"
-        out[int(slot)] = (f"the prefill server's Engram identity ({theirs}) differs from this decode server's "
-                          f"({state.identity.rstrip(bytes(1)).decode()}): its transfer is refused")
+    for slot, row in zip(index.tolist(), got):
+        if torch.equal(row, ours):
+            continue
+        theirs = bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") or "none: not transferred"
+        out[slot] = (f"the prefill server's Engram identity ({theirs}) differs from this decode server's "
+                     f"({state.identity.rstrip(bytes(1)).decode()}): its transfer is refused")
     return out
+
+
+def refuse_mismatched_transfers(scheduler, batch) -> int:
+    """Finish (HTTP 400, one line) the newly transferred requests of a decode server's prebuilt
+    batch whose prefill server has other tables or settings; returns how many. Runs where SGLang
+    verifies the transferred KV's checksums, before `process_prebuilt` and before any forward:
+    the finish takes effect as the batch's first result is processed (its KV released as for
+    any finished request); the rest of the batch and the server go on."""
+    state = active()
+    if state is None or state.role != "decode" or batch is None or not batch.reqs:
+        return 0
+    from http import HTTPStatus
+
+    from sglang.srt.disaggregation.checksum import is_health_check_req
+    from sglang.srt.disaggregation.utils import all_reduce_flags
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from .modes import request_slot
+
+    reqs = [r for r in batch.reqs if not is_health_check_req(r)]  # a health probe transfers nothing
+    refused = check_transferred([request_slot(r) for r in reqs])
+    flags = [1 if request_slot(r) in refused else 0 for r in reqs]
+    # The TP ranks agree on the set, as SGLang's checksum check does, or they run different batches.
+    group = getattr(scheduler, "attn_tp_cpu_group", None)
+    if group is not None and torch.distributed.is_initialized():
+        flags = all_reduce_flags(flags, group, torch.distributed.ReduceOp.MAX)
+    if not any(flags):
+        return 0
+    other = "the prefill server's Engram identity differs from this decode server's (on another rank)"
+    for req, flag in zip(reqs, flags):
+        if flag:
+            why = refused.get(request_slot(req), other)
+            req.to_finish = FINISH_ABORT(why, HTTPStatus.BAD_REQUEST, "EngramIdentityMismatch")
+    logger.error("engram-sglang: %s; refusing %d request(s)", next(iter(refused.values()), other), sum(flags))
+    return sum(flags)

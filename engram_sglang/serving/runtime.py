@@ -349,14 +349,6 @@ class EngramRuntime:
                           captured=capturing, padding=padding)
         if not capturing:
             self._open_step = step
-            # PD decode: a request whose state came from a prefill server of other tables or
-            # settings fails here, before its first decode step is served (serving/pd.py).
-            refused = pd.check_step(token_req, mode)
-            if refused:
-                with self._lock:
-                    for slot, why in refused.items():
-                        self._failed.setdefault(slot, why)
-                logger.error("engram-sglang: %s; failing %d request(s)", next(iter(refused.values())), len(refused))
         return step
 
     @staticmethod

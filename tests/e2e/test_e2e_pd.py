@@ -7,7 +7,8 @@ One module fixture: the pair (`--engram-ablation on`, 16-token prefill chunks) b
 router serves four requests at once in four Engram modes, prompts of one to three chunks; a
 second decode server with the two negative controls (`--engram-debug skip-conv-transfer,
 corrupt-history`) continues two more prompts of the same prefill server, driven as the
-router drives a pair (bootstrap host, port and room to both servers).
+router drives a pair (bootstrap host, port and room to both servers); a third decode server
+of other settings (`--engram-ablation off`) is sent one prompt of the same prefill server.
 
 Checked: every completion equals the reference forward's in its mode, the decode server having
 checked each request's Engram identity as it arrived (the refusal: tests/serving/test_pd.py);
@@ -16,7 +17,8 @@ entry of every traced token's conv window equals the conv input its position had
 another chunk, or decode), so the decode server's windows over prompt positions hold what the
 prefill server computed. The controls fail on those checksums: conv windows over prompt
 positions that do not hold the prefill server's conv inputs (and only those), hash ids that
-are not the reference's (and only on the decode side).
+are not the reference's (and only on the decode side). The decode server of other settings
+refuses the transfer in one line (HTTP 400) and goes on serving.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engram_sglang.serving.launch import free_port
+from engram_sglang.serving.launch import ServerError, free_port
 from engram_sglang.serving.modes import mask_for, parse_mode
 from tests.e2e.test_e2e_retraction import prompts, trace_lines, trace_records
 from tests.support.demo_support import demo_dir, reference
@@ -74,7 +76,9 @@ def pd(tmp_path_factory):
             control = pd_server(demo_dir(), "decode", log_path=work / "control.log",
                                 engram={**engram, "trace": traces["control"],
                                         "debug": "skip-conv-transfer,corrupt-history"})
-            servers = (prefill, decode, control)
+            stranger = pd_server(demo_dir(), "decode", log_path=work / "stranger.log",
+                                 engram={"placement": "device", "ablation": "off"})
+            servers = (prefill, decode, control, stranger)
             try:
                 with ThreadPoolExecutor(len(servers)) as pool:
                     for f in [pool.submit(s.start) for s in servers]:
@@ -86,6 +90,12 @@ def pd(tmp_path_factory):
                         outs = [pool.submit(router.post, "/generate", body(p, m)) for p, m in zip(main, MODES)]
                         controls = [pool.submit(pd_generate, prefill, bootstrap, control, body(p)) for p in ctrl]
                         outs, controls = [f.result() for f in outs], [f.result() for f in controls]
+                    try:
+                        # A control request's prompt: its prefill records equal that request's.
+                        refused = str(pd_generate(prefill, bootstrap, stranger, body(ctrl[0])))
+                    except ServerError as e:
+                        refused = f"ServerError: {e}"
+                    stranger_health = stranger.engram_stats()
                 finally:
                     router.stop()
             finally:
@@ -94,8 +104,10 @@ def pd(tmp_path_factory):
     except NoNamespace as e:
         pytest.skip(f"PD servers run in a network namespace of the test's own: {e}")
     return {"prompts": main, "outs": outs, "control_prompts": ctrl, "controls": controls,
+            "refused": refused, "stranger_health": stranger_health,
             "steps": {k: trace_lines(v) for k, v in traces.items()},
-            "logs": {k: (work / f"{k}.log").read_text(errors="replace") for k in ("prefill", "decode", "control")}}
+            "logs": {k: (work / f"{k}.log").read_text(errors="replace")
+                     for k in ("prefill", "decode", "control", "stranger")}}
 
 
 def reference_forwards(prompts_, outs, modes):
@@ -230,3 +242,14 @@ def test_negative_control_corrupted_history_on_decode_fails_on_the_hash_ids(pd, 
     assert checked["control_lookups"]["ids_wrong"] > 0 and checked["control_lookups"]["sums_wrong"] > 0
     assert checked["lookups"]["prefill"]["ids_wrong"] == 0
     assert "engram-sglang DEBUG skip-conv-transfer" in pd["logs"]["control"]
+
+
+def test_pd_decode_of_other_engram_settings_refuses_the_transfer_in_one_line(pd):
+    """A decode server with `--engram-ablation off` behind a prefill server with it on: the
+    request fails with HTTP 400 naming both identities, before any decode step; the server
+    stays up."""
+    assert pd["refused"].startswith("ServerError: POST /generate: HTTP 400"), pd["refused"]
+    assert "differs from this decode server's" in pd["refused"] and "its transfer is refused" in pd["refused"]
+    lines = [ln for ln in pd["logs"]["stranger"].splitlines() if "its transfer is refused" in ln]
+    assert lines and all("ablation on) differs" in ln and "ablation off)" in ln for ln in lines), lines
+    assert pd["stranger_health"], "the decode server of other settings answers /server_info after the refusal"

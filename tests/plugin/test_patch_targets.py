@@ -28,7 +28,7 @@ PACKAGE = ROOT / "engram_sglang"
 def test_every_patch_target_exists_in_the_installed_sglang():
     pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
     assert patching.sglang_version() == SGLANG_TESTED, "the venv's SGLang is not the release the targets name"
-    assert len(TARGETS) == 19  # the list below, so a target dropped from TARGETS shows up here
+    assert len(TARGETS) == 20  # the list below, so a target dropped from TARGETS shows up here
     names = sorted(t.name for t in TARGETS)
     assert names == sorted([
         "sglang.srt.server_args.prepare_server_args",
@@ -50,6 +50,7 @@ def test_every_patch_target_exists_in_the_installed_sglang():
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
         "sglang.srt.disaggregation.prefill.setup_state_kv_args",
         "sglang.srt.disaggregation.decode.setup_state_kv_args",
+        "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums",
     ])
     assert sorted({t.module for t in TARGETS}) == sorted(plugin.HOOKS)
     for name in plugin.HOOKS:

@@ -61,6 +61,17 @@ def test_both_components_registered_page_indexed_and_per_request_slot(registered
     assert all(bytes(r.tolist()) == ID_A for r in rows)  # prefill: every slot says who computed it
 
 
+def prebuilt(*slots, rids=None):
+    """SGLang's prebuilt batch (a decode server's newly transferred requests) of these slots,
+    as its `_verify_kv_checksums` gets it."""
+    rids = rids or [f"req-{s}" for s in slots]
+    reqs = [SimpleNamespace(rid=rid, kv=SimpleNamespace(req_pool_idx=s), to_finish=None) for s, rid in zip(slots, rids)]
+    return SimpleNamespace(reqs=reqs)
+
+
+SCHEDULER = SimpleNamespace(attn_tp_cpu_group=None)  # one rank: no agreement to reach
+
+
 def test_decode_refuses_a_transfer_from_a_prefill_of_other_settings_in_one_line(registered):
     pool, conv = registered
     pd.register(pool, conv, [3, 7], ID_A)
@@ -69,15 +80,46 @@ def test_decode_refuses_a_transfer_from_a_prefill_of_other_settings_in_one_line(
     # What the transfer writes into the decode server's rows (the real one: tests/e2e/test_e2e_pd.py).
     rows[1] = torch.frombuffer(bytearray(ID_A), dtype=torch.uint8)
     rows[2] = torch.frombuffer(bytearray(ID_B), dtype=torch.uint8)
-    refused = pd.check_step(torch.tensor([1, 2, 2, 4, -1]), "decode")
-    assert sorted(refused) == [2, 4], refused  # slot 1 agrees; slot 4 got nothing
-    assert "\n" not in refused[2]
-    assert "Engram identity (tables" in refused[2] and "ablation on) differs from this decode server's" in refused[2]
-    assert "mode on ablation off): its transfer is refused" in refused[2]
-    assert "none: not transferred" in refused[4]
-    # A slot this server prefills itself (a retracted request computed again) is its own.
-    assert pd.check_step(torch.tensor([2]), "extend") == {}
-    assert pd.check_step(torch.tensor([2, 1]), "decode") == {}
+    batch = prebuilt(1, 2, 4)
+    assert pd.refuse_mismatched_transfers(SCHEDULER, batch) == 2
+    ok, other, missing = (r.to_finish for r in batch.reqs)
+    assert ok is None  # slot 1 agrees; slot 4 got nothing
+    for finish in (other, missing):
+        assert finish.status_code == 400 and "\n" not in finish.message
+    assert "Engram identity (tables" in other.message and "ablation on) differs from this decode server's" in other.message
+    assert "mode on ablation off): its transfer is refused" in other.message
+    assert "none: not transferred" in missing.message
+    # Read once: slot 1, reused by a request whose transfer carried no identity, does not pass
+    # on its predecessor's row.
+    assert "none: not transferred" in pd.check_transferred([1])[1]
+    # SGLang's health probe on a decode server transfers nothing: never refused.
+    probe = prebuilt(3, rids=["HEALTH_CHECK_probe"])
+    assert pd.refuse_mismatched_transfers(SCHEDULER, probe) == 0 and probe.reqs[0].to_finish is None
+
+
+def test_refused_request_finishes_before_its_first_decode_step(registered):
+    """Through SGLang's own Req: the refusal is the finish reason its prebuilt result takes."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    pool, conv = registered
+    pd.register(pool, conv, [3, 7], ID_A)
+    pd.add_state_components(kv_args(), pool, SimpleNamespace(size=5), "decode", "mooncake_tcp")
+    pd.active().rows[2] = torch.frombuffer(bytearray(ID_B), dtype=torch.uint8)
+    req = Req("r-1", "", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    req.kv.req_pool_idx = 2
+    assert pd.refuse_mismatched_transfers(SCHEDULER, SimpleNamespace(reqs=[req])) == 1
+    assert not req.finished()
+    req.update_finish_state()  # what process_batch_result_prebuilt runs first
+    assert req.finished() and req.finished_reason.status_code == 400
+
+
+def test_prefill_and_plain_servers_refuse_nothing(registered):
+    assert pd.refuse_mismatched_transfers(SCHEDULER, prebuilt(1)) == 0  # no PD state registered
+    pool, conv = registered
+    pd.register(pool, conv, [3, 7], ID_A)
+    pd.add_state_components(kv_args(), pool, SimpleNamespace(size=5), "prefill", "mooncake")
+    assert pd.refuse_mismatched_transfers(SCHEDULER, prebuilt(1, 2)) == 0
 
 
 def test_skip_conv_transfer_control_receives_into_scratch(registered):
