@@ -131,6 +131,8 @@ class ModelFacts:
     kv_heads: Optional[int]  # KV heads of standard attention, split over TP; None: not known
     sources: dict[str, str]
     decode_lead_ms: Optional[float] = None  # a decode step's time before the first Engram layer (disk plan)
+    kv_fixed_bytes: int = 0  # per rank, before KV tokens are counted (DeepSeek-V4's sliding-window pool)
+    kv_bytes_per_token_elsewhere: Optional[float] = None  # another engine's figure, shown beside ours
 
 
 def _raw_config(cfg: EngramConfig) -> dict[str, Any]:
@@ -194,6 +196,8 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
         sources["weight_bytes"] = sources.pop("non_engram_weight_gib")
     kv = checked("kv_bytes_per_token", fact("kv_bytes_per_token"), 1, MAX_KV_BYTES, False)
     lead = checked("decode_lead_ms", fact("decode_lead_ms"), 0, 1e6, False)
+    fixed = checked("kv_fixed_bytes_per_rank", fact("kv_fixed_bytes_per_rank"), 0, MAX_GIB * GIB, False)
+    elsewhere = checked("kv_bytes_per_token_elsewhere", fact("kv_bytes_per_token_elsewhere"), 1, MAX_KV_BYTES, False)
     replicated = bool(facts.get("kv_replicated_across_tp", False))
     kv_heads = None
     if replicated:
@@ -211,6 +215,8 @@ def load_facts(cfg: EngramConfig) -> ModelFacts:
         kv_heads=kv_heads,
         sources=sources,
         decode_lead_ms=float(lead) if lead is not None else None,
+        kv_fixed_bytes=int(round(fixed)) if fixed is not None else 0,
+        kv_bytes_per_token_elsewhere=float(elsewhere) if elsewhere is not None else None,
     )
 
 

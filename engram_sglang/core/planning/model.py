@@ -173,7 +173,8 @@ class Planner:
         overrides = {}
         if inputs.kv_bytes_per_token is not None:
             # The operator's figure is what one rank's pool spends per token: taken as is.
-            overrides.update(kv_bytes_per_token=float(inputs.kv_bytes_per_token), kv_replicated=True, kv_heads=None)
+            overrides.update(kv_bytes_per_token=float(inputs.kv_bytes_per_token), kv_replicated=True, kv_heads=None,
+                             kv_bytes_per_token_elsewhere=None)
             facts.sources["kv_bytes_per_token"] = "--kv-bytes-per-token (per rank)"
         if inputs.weights_gib is not None:
             overrides["weight_bytes"] = int(round(inputs.weights_gib * GIB))
@@ -237,7 +238,8 @@ class Planner:
         tables = shard_bytes(self.rows, tp, self.row_bytes) if placement == "device" else 0
         hot = int(round(self.inputs.hot_cache_gib * GIB)) if placement_spec(placement).cache_in_front else 0
         reserve = self.reserve(tp)
-        free = None if weights is None else self.gpu.hbm_bytes - weights - tables - hot - reserve
+        fixed = self.facts.kv_fixed_bytes
+        free = None if weights is None else self.gpu.hbm_bytes - weights - tables - hot - reserve - fixed
         kv = self.kv_per_rank(tp)
         tokens = None if free is None or kv is None else max(0, int(free // kv))
         freed = 0 if placement == "device" else shard_bytes(self.rows, tp, self.row_bytes) - hot
@@ -249,6 +251,7 @@ class Planner:
             "tables_bytes": tables,
             "hot_cache_bytes": hot,
             "reserve_bytes": reserve,
+            "kv_fixed_bytes": fixed,
             "free_for_kv_bytes": free,
             "kv_tokens": tokens,
             "hbm_freed_bytes": freed,
@@ -405,6 +408,14 @@ class Planner:
             out.append(
                 f"KV cache {f.kv_bytes_per_token:g} B per token ({where}): {f.sources.get('kv_bytes_per_token', '?')}"
             )
+            if f.kv_fixed_bytes:
+                out.append(f"KV pools of fixed size {f.kv_fixed_bytes / GIB:.2f} GiB per rank, taken before KV tokens "
+                           f"are counted: {f.sources.get('kv_fixed_bytes_per_rank', '?')}")
+            other = f.kv_bytes_per_token_elsewhere
+            if other is not None and max(other, f.kv_bytes_per_token) > 2 * min(other, f.kv_bytes_per_token):
+                out.append(f"another engine's figure differs {max(other, f.kv_bytes_per_token) / min(other, f.kv_bytes_per_token):.1f}x "
+                           f"({other:g} B per token: {f.sources.get('kv_bytes_per_token_elsewhere', '?')}); the plan uses "
+                           f"{f.kv_bytes_per_token:g} B, the engine it plans for (pass --kv-bytes-per-token for your server's)")
         else:
             out.append("KV bytes per token unknown: pass --kv-bytes-per-token")
         if self.inputs.reserve_gib is None:
