@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import logging
 import os
 from typing import Any, Mapping, Optional
 
@@ -19,6 +21,8 @@ from ..core.errors import EngramConfigError
 from ..core.fileio import READ_RETRIES
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.placement_table import placement as placement_spec
+
+logger = logging.getLogger(__name__)
 
 MAX_DISK_THREADS = 256  # stores.rowio.MAX_THREADS (not imported: this module loads without torch)
 NUMA_MODES, MAX_NUMA_NODES = ("auto", "interleave", "off"), 1024  # stores.numa.MODES, MAX_NODES (it loads torch)
@@ -30,7 +34,8 @@ _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no", ""}
 @dataclasses.dataclass(frozen=True)
 class Knob:
     flag: str  # without the leading "--engram-"
-    kind: str  # "str", "int", "bool", "auto-bool" (on, off or auto), "choice", "list", "numa"
+    kind: str  # "str", "int", "bool", "auto-bool" (on, off or auto), "require-bool" (on, off or require),
+    # "choice", "list", "numa"
     default: Any
     help: str
     choices: tuple[str, ...] = ()  # the words a "choice" or "numa" knob takes, or a "list" knob's items
@@ -53,9 +58,11 @@ class Knob:
         return Optional[t] if self.default is None else t
 
 
-# An auto-bool field holds "auto" until the runtime resolves it (serving/whole_rows_auto.py).
-_KIND_TYPES = {"str": str, "int": int, "bool": bool, "auto-bool": bool | str, "choice": str, "list": tuple[str, ...],
-               "numa": str}
+# An auto-bool field holds "auto" until the runtime resolves it (serving/whole_rows_auto.py); a
+# require-bool field holds "require" (truthy: "on", and no fallback where on would fall back).
+_KIND_TYPES = {"str": str, "int": int, "bool": bool, "auto-bool": bool | str, "require-bool": bool | str,
+               "choice": str, "list": tuple[str, ...], "numa": str}
+_BOOL_PLUS = {"auto-bool": "auto", "require-bool": "require"}  # the word a bool-plus kind takes besides on/off
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -63,7 +70,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("placement", "choice", "device", "where the tables live: device memory, host memory, or disk",
          PLACEMENTS),
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),
-    Knob("host-shared", "bool", False, "host placement: one copy per node in /dev/shm instead of one per rank"),
+    Knob("host-shared", "require-bool", False, "host placement: on, one copy per node in /dev/shm instead of one per "
+         "rank, falling back to a private copy (with a warning) where the shm dir cannot hold it; require, refuse to "
+         "start instead; off, one copy per rank"),
     Knob("shm-dir", "str", "/dev/shm", "host placement: where the shared copy lives"),
     Knob("host-whole-rows", "auto-bool", "auto", "host placement with --engram-host-shared on: on, each tensor-parallel "
          "rank reads the whole rows of its tokens from the node's copy, no all-reduce; off, a row shard per rank and an "
@@ -102,6 +111,70 @@ KNOBS: tuple[Knob, ...] = (
          "(PD decode)", DEBUG_KNOBS),
 )
 
+# The ENGRAM_* variables that are not knobs: read from the environment by something else, so a
+# set one is not a typo. tests/serving/test_env_names.py walks the repository: an ENGRAM_ name on
+# none of KNOBS, this and OTHER_NAMES fails it, so a new variable is declared here.
+NON_KNOB_VARIABLES: tuple[str, ...] = (
+    # fault injection: the LD_PRELOAD library kernels/io/engram_faults.c (tests, bench/soak.py)
+    "ENGRAM_FAULTS_MATCH", "ENGRAM_FAULTS_ARM", "ENGRAM_FAULTS_SEED", "ENGRAM_FAULTS_STATS_DIR",
+    "ENGRAM_FAULTS_WRITE_MATCH", "ENGRAM_FAULTS_STALL_PROB", "ENGRAM_FAULTS_STALL_EVERY", "ENGRAM_FAULTS_STALL_MS",
+    "ENGRAM_FAULTS_SHORT_PROB", "ENGRAM_FAULTS_SHORT_EVERY",
+    *(f"ENGRAM_FAULTS_{kind}_{what}" for kind in ("EIO", "WRITE") for what in ("PROB", "EVERY", "BURST", "BURST_MS",
+                                                                                 "GAP_MS")),
+    # native libraries: where the built ones are (core/nativelibs.py), the host builds' flags (make
+    # variables of kernels/host-flags.mk), the host threads and the disk I/O engine they use (getenv)
+    "ENGRAM_KERNELS_DIR", "ENGRAM_CPU_CXXFLAGS", "ENGRAM_ROWIO_CXXFLAGS", "ENGRAM_CPU_THREADS", "ENGRAM_IO_ENGINE",
+    # the configs/ folder (core/config.py)
+    "ENGRAM_CONFIGS_DIR",
+    # the Docker images: health check (docker/healthcheck.py), /dev/shm size (docker/gpu-run.sh),
+    # the make wrapper (docker/engram-make.sh)
+    "ENGRAM_HEALTH_URL", "ENGRAM_HEALTH_TIMEOUT", "ENGRAM_SHM_SIZE", "ENGRAM_ROOT", "ENGRAM_SETUP_STAMP",
+    # tests and benchmarks only: lint required (make lint), an upstream wheel for bench/gather.py,
+    # a knob tests/serving/test_model_settings.py adds to its own settings class
+    "ENGRAM_LINT_REQUIRED", "ENGRAM_SGLANG_WHEEL", "ENGRAM_PROBE_DEPTH",
+)
+
+# ENGRAM_ names in the repository that nothing reads from the environment: set there, they get
+# the warning like any unknown name.
+OTHER_NAMES: tuple[str, ...] = (
+    # C/C++/CUDA macros and enum values of kernels/
+    "ENGRAM_AIO_UNAVAILABLE", "ENGRAM_AVX512_DECODE_TARGET", "ENGRAM_BAD_ARGUMENT", "ENGRAM_CPU_ABI_VERSION",
+    "ENGRAM_DEVICE_COMPILER", "ENGRAM_GPU_ABI_VERSION", "ENGRAM_GPU_API", "ENGRAM_GPU_CAT", "ENGRAM_GPU_CAT2",
+    "ENGRAM_HAVE_AVX512_DECODE", "ENGRAM_HD", "ENGRAM_IO_ISA_CLONES", "ENGRAM_ISA_CLONES", "ENGRAM_MISALIGNED",
+    "ENGRAM_OK", "ENGRAM_READ_AIO", "ENGRAM_READ_MAPPED", "ENGRAM_READ_NONE", "ENGRAM_READ_PREAD",
+    "ENGRAM_ROWIO_MAX_THREADS", "ENGRAM_STEP_AIO_UNAVAILABLE", "ENGRAM_STEP_BAD_ARGUMENT", "ENGRAM_STEP_OK",
+    "ENGRAM_STEP_UNREAD", "ENGRAM_TARGETS", "ENGRAM_UNROLL", "ENGRAM_VENDOR",
+    # Python constants (tools/demo/model.py)
+    "ENGRAM_HEADS", "ENGRAM_LAYERS", "ENGRAM_VOCAB",
+    # retired names the README's list of renames gives
+    "ENGRAM_IO_CXXFLAGS",
+    # the misspelt knob docs/operations.md and the tests give as the example of the warning
+    "ENGRAM_PLACMENT",
+)
+
+_warned: set[str] = set()  # the unknown names this process has warned about
+
+
+def unknown_variables(env: Mapping[str, str], knobs: tuple[Knob, ...] = KNOBS) -> dict[str, Optional[str]]:
+    """The ENGRAM_* names in `env` that are neither a knob nor a NON_KNOB_VARIABLES entry, each
+    with the closest known name (None where none is close)."""
+    known = sorted({k.env for k in (*KNOBS, *knobs)} | set(NON_KNOB_VARIABLES))
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1)), None)
+            for name in sorted(env) if name.startswith("ENGRAM_") and name not in known}
+
+
+def warn_unknown_variables(env: Mapping[str, str], knobs: tuple[Knob, ...] = KNOBS) -> None:
+    """One warning naming the unknown ENGRAM_* variables (a misspelt knob is otherwise ignored
+    silently: ENGRAM_PLACMENT=host would serve from device memory), once per name and process.
+    Never a refusal: the variable may be another tool's."""
+    unknown = {n: close for n, close in unknown_variables(env, knobs).items() if n not in _warned}
+    if not unknown:
+        return
+    _warned.update(unknown)
+    names = ", ".join(f"{n} (did you mean {close}?)" if close else n for n, close in unknown.items())
+    logger.warning("ignoring unknown environment variable(s) %s: engram-sglang reads no such variable "
+                   "(`python -m engram_sglang.serving.settings` lists the knobs)", names)
+
 
 def _fields_from(knobs: tuple[Knob, ...]):
     """Class decorator: a frozen dataclass with one field per knob, named, typed and defaulted by
@@ -121,8 +194,10 @@ class ServeSettings:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ServeSettings":
-        """Read every ENGRAM_* variable; a bad value raises EngramConfigError (one line)."""
+        """Read every ENGRAM_* variable; a bad value raises EngramConfigError (one line), an
+        unknown one is warned about (warn_unknown_variables)."""
         env = os.environ if env is None else env
+        warn_unknown_variables(env, cls._knobs)
         values = {}
         for knob in cls._knobs:
             raw = env.get(knob.env)
@@ -174,15 +249,15 @@ def _parse(knob: Knob, raw: str) -> Any:
             why = f" ({knob.high_why})" if knob.high_why else ""
             raise EngramConfigError(f"{where} must be at most {knob.high}{why}, got {n}")
         return n
-    if knob.kind == "auto-bool" and value.lower() == "auto":
-        return "auto"
-    if knob.kind in ("bool", "auto-bool"):
+    if knob.kind in _BOOL_PLUS and value.lower() == _BOOL_PLUS[knob.kind]:
+        return _BOOL_PLUS[knob.kind]
+    if knob.kind == "bool" or knob.kind in _BOOL_PLUS:
         low = value.lower()
         if low in _TRUE:
             return True
         if low in _FALSE:
             return False
-        also = ", or auto" if knob.kind == "auto-bool" else ""
+        also = f", or {_BOOL_PLUS[knob.kind]}" if knob.kind in _BOOL_PLUS else ""
         raise EngramConfigError(f"{where} must be on/off (1/0, true/false){also}, got {raw!r}")
     if knob.kind == "numa":  # a mode word or a node number
         low = value.lower()
@@ -208,8 +283,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for knob in KNOBS:
         kwargs: dict = {"dest": "engram_" + knob.field, "default": None,
                         "help": f"{knob.help} [env {knob.env}; default {_shown(knob.default)}]"}
-        if knob.kind in ("bool", "auto-bool"):
-            kwargs.update(nargs="?", const="1", metavar="on|off" if knob.kind == "bool" else "on|off|auto")
+        if knob.kind == "bool" or knob.kind in _BOOL_PLUS:
+            words = ("on", "off") + ((_BOOL_PLUS[knob.kind],) if knob.kind in _BOOL_PLUS else ())
+            kwargs.update(nargs="?", const="1", metavar="|".join(words))
         elif knob.kind == "choice":
             kwargs.update(choices=knob.choices)
         group.add_argument(f"--engram-{knob.flag}", **kwargs)

@@ -58,7 +58,7 @@ def test_settings_give_open_store_the_tables_options(name):
     assert set(options) == {o.name for o in spec.options if not o.only_when_set}
     for o in spec.options:  # each knob lands on its option, scaled
         knob = next(k for k in KNOBS if k.flag == o.knob)
-        raw = {"bool": "on", "auto-bool": "on", "int": "3", "str": "/somewhere", "numa": "1"}[knob.kind]
+        raw = {"bool": "on", "auto-bool": "on", "require-bool": "on", "int": "3", "str": "/somewhere", "numa": "1"}[knob.kind]
         got = ServeSettings.from_env({"ENGRAM_PLACEMENT": name, knob.env: raw}).store_options()[o.name]
         parsed = {"on": True, "3": 3, "/somewhere": "/somewhere", "1": "1"}[raw]
         assert got == (parsed * o.scale if o.scale != 1 else parsed)

@@ -64,7 +64,8 @@ def open_store(
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
         sketch_depth.
-    options : placement options (the placement table's): host `shared`, `shm_dir`, `huge_pages`,
+    options : placement options (the placement table's): host `shared` (True; or "require": raise
+        where the shm dir cannot hold the copy, no private fallback), `shm_dir`, `huge_pages`,
         `keep` (the node's shared copy outlives the last server), `numa` (auto, interleave, off
         or a node number: stores/numa.py), `whole_rows` (with
         `shared` and `agree`: whole rows per rank; default on); disk `threads`,

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import EngramError
+from ..errors import EngramConfigError, EngramError
 from ..ops import probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
@@ -28,6 +28,8 @@ from .base import WholeTableStore
 from .metrics import METRICS
 
 logger = logging.getLogger(__name__)
+
+REQUIRE = "require"  # `shared`: one copy per node or no start (never the private fallback)
 
 
 class HostStore(WholeTableStore):
@@ -41,7 +43,7 @@ class HostStore(WholeTableStore):
     # native and Triton gathers read (`gather_dequant(table, ..., table_address=...)`).
     table_address: Optional[int] = None
 
-    def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool = False,
+    def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool | str = False,
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, keep: bool = False,
                  checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False, numa: str = "auto"):
         super().__init__(layer_id, path, rows, row_range, device, backend)
@@ -79,6 +81,12 @@ class HostStore(WholeTableStore):
             # A fill in progress (another rank's `.tmp`) has taken its memory already: it is this copy's.
             if os.path.lexists(candidate.path) or free + shmcopy.allocated_bytes(candidate.path) >= need:
                 spec = candidate
+            elif shared == REQUIRE:  # asked for no fallback: one copy per rank may not fit the node's memory
+                raise EngramConfigError(
+                    f"engram layer {layer_id}: {shm_dir} has {free / 2**30:.2f} GiB free but the shared table needs "
+                    f"{need / 2**30:.2f} GiB, and --engram-host-shared require (ENGRAM_HOST_SHARED) refuses a private "
+                    f"copy per rank: give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host, or use "
+                    f"--engram-host-shared on to fall back")
             else:
                 logger.warning(
                     "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
