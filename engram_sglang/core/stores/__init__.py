@@ -117,6 +117,9 @@ def open_store(
                 store.hold_only(held[layer_id][0] if len(held[layer_id]) == 1 else held[layer_id])
         for store in stores.values():
             logger.info("%s", store.describe())
+        warning = store_class.start_up_warning(list(stores.values()))
+        if warning:  # once for all layers (e.g. host tables a GPU reads on 4 KiB pages)
+            logger.warning("%s", warning)
     except BaseException:
         if tp_size > 1 and agree is not None and not asked:
             agree(False)  # the other ranks wait in it: they must not hang on this rank's error

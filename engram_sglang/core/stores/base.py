@@ -452,6 +452,12 @@ class TableStore(ABC):
                 "resident_bytes": self.resident_bytes,
             }
 
+    @classmethod
+    def start_up_warning(cls, stores: list["TableStore"]) -> str:
+        """One line the start-up log gives at WARNING for these stores of this class (opened
+        together by open_store), "" for none."""
+        return ""
+
     def describe(self) -> str:
         held = ", ".join(f"{lo}..{hi - 1}" for lo, hi in self.row_ranges)
         return (

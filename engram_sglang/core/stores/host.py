@@ -11,6 +11,7 @@ are the same by construction, and the tests check it.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..errors import EngramConfigError, EngramError
 from ..ops import probe
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
-from . import hostmem, shmcopy
+from . import hostmem, shmcopy, thp
 from . import numa as numa_mod
 from .base import WholeTableStore
 from .metrics import METRICS
@@ -125,7 +126,11 @@ class HostStore(WholeTableStore):
             self.registration = hostmem.register_with_gpu(self.table.data_ptr(), (hi - lo) * ROW_BYTES, device=index)
             self.table_address = self.registration.device_pointer(self.table.data_ptr())
             self.memory.registered = True
+        # Pages: measured from smaps where any are resident (a registered table is), and what
+        # the mount or the THP knob gives (stores/thp.py), for the start-up line and warning.
         self.huge = self.memory.huge_pages_report()
+        self.huge_pages = huge_pages
+        self.pages = thp.probe_dir(shm_dir) if self.shared else thp.probe_anonymous(huge_pages)
         METRICS.host_facts(self)
 
     @property
@@ -148,16 +153,64 @@ class HostStore(WholeTableStore):
         if self.registration is not None:
             self.table_address = self.registration.device_pointer(self.table.data_ptr())
 
+    @property
+    def measured(self) -> bool:
+        """Whether any of the table's pages were resident when measured (else no share is known)."""
+        return self.huge.mapped_kib > 0
+
+    @property
+    def small_pages(self) -> Optional[bool]:
+        """On 4 KiB pages: measured where resident, else as the mount or knob says (None: unknown)."""
+        return thp.on_small_pages(self.pages, self.huge.mapped_kib, self.huge.huge_kib)
+
+    @classmethod
+    def start_up_warning(cls, stores: list["HostStore"]) -> str:
+        """One line for every table a GPU reads over UVA on 4 KiB pages (none on the CPU: no UVA;
+        none where --engram-huge-pages is off: asked for)."""
+        small = []
+        for s in stores:
+            if s.device.type == "cuda" and s.huge_pages and s.small_pages:
+                mapped = s.registration.nbytes if s.registration is not None else s.table.numel()
+                small.append((s.layer_id, s.pages, s.huge.coverage if s.measured else None, mapped))
+        return thp.warning_line(small)
+
     def stats(self) -> dict:
         s = super().stats()
-        s.update(shared=self.shared, registered=self.memory.registered, huge_page_coverage=self.huge.coverage,
-                 thp_mode=self.huge.thp_mode, numa=self.binding.tag or "off")
+        small, plan = self.small_pages, self.pages
+        s.update(shared=self.shared, registered=self.memory.registered, numa=self.binding.tag or "off",
+                 huge_page_coverage=self.huge.coverage if self.measured else None,  # None: nothing resident
+                 page_size_kib=None if small is None else (mmap.PAGESIZE if small else hostmem.HUGE_PAGE) >> 10,
+                 pages_measured=self.measured, page_memory=plan.memory, mount_huge=plan.huge_option or None,
+                 shmem_enabled=plan.shmem_enabled or None, thp_enabled=plan.thp_enabled or None,
+                 page_fix=self.page_fix() or None)
         return s
+
+    def page_fix(self) -> str:
+        """The fix for a table on 4 KiB pages ("" where it is not, or none is known)."""
+        if not self.small_pages:
+            return ""
+        return thp.measured_cause(self.pages, self.huge.coverage)[1] if self.measured else self.pages.fix
+
+    def pages_text(self) -> str:
+        """The start-up line's page fact: the measured share (or what is expected) and its knobs."""
+        plan = self.pages
+        if plan.huge_option:
+            where = f"{plan.memory}: huge={plan.huge_option}, shmem_enabled {plan.shmem_enabled or '?'}"
+        elif plan.memory == "anonymous memory":
+            where = f"{plan.memory}: THP {plan.thp_enabled or 'unknown'}"
+        else:
+            where = plan.memory + (", not a tmpfs" if plan.fstype not in ("", "hugetlbfs") else "")
+        if self.measured:
+            head = f"huge pages {self.huge.coverage:.0%}"
+        else:
+            expect = {True: "huge", False: "4 KiB", None: "unknown"}[plan.huge]
+            head = f"pages not resident yet ({expect} expected)"
+        return f"{head} ({where})"
 
     def describe(self) -> str:
         layout = f"shared {self.memory.shm_path}" if self.shared else "private"
-        return (f"{super().describe()}, {layout} host memory, huge pages {self.huge.coverage:.0%} "
-                f"(THP {self.huge.thp_mode or 'unknown'}), {self.binding.describe()}, registered {self.memory.registered}")
+        return (f"{super().describe()}, {layout} host memory, {self.pages_text()}, {self.binding.describe()}, "
+                f"registered {self.memory.registered}")
 
     def close(self) -> None:
         super().close()

@@ -3,7 +3,8 @@
 Never `pin_memory()`: PyTorch's pinned allocator rounds a 20.4 GiB table up to 32 GiB.
 The table is mapped (anonymous for a private copy, a 0600 file in /dev/shm for one copy per
 node: stores/shmcopy.py names, checks, shares and frees it), advised into transparent huge pages before it is filled (a row gather pays a TLB miss
-per row on 4 KiB pages), and registered with the GPU runtime so kernels read it over UVA.
+per row on 4 KiB pages; a /dev/shm file gets them only by its mount's huge=: stores/thp.py), and registered with
+the GPU runtime so kernels read it over UVA.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Optional
 from ..errors import EngramError
 from ..fileio import drop_pages_not_in, resident_pages, retry_transient, tries_text
 from ..ops import gpu_runtime
-from . import numa, shmcopy
+from . import numa, shmcopy, thp
 from .base import TableIOError
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,7 @@ class HugePageReport:
 
 def thp_mode(knob: str = "enabled") -> str:
     """Active mode of /sys/kernel/mm/transparent_hugepage/{knob} ("" if unreadable)."""
-    try:
-        text = Path(f"/sys/kernel/mm/transparent_hugepage/{knob}").read_text()
-    except OSError:
-        return ""
-    m = re.search(r"\[(\w+)\]", text)
-    return m.group(1) if m else ""
+    return thp.active_mode(thp.read_knob(knob))
 
 
 def huge_page_report(address: int, shmem: bool) -> HugePageReport:
