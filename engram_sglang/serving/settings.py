@@ -67,6 +67,8 @@ _BOOL_PLUS = {"auto-bool": "auto", "require-bool": "require"}  # the word a bool
 
 KNOBS: tuple[Knob, ...] = (
     Knob("table-dir", "str", None, f"packed table directory (default: MODEL_PATH/{DEFAULT_TABLE_DIR})"),
+    Knob("skip-provenance", "bool", False, "start even when the checkpoint the tables' manifest records differs "
+         "from the model directory's (checked at start-up; `engram-sglang tables verify --record` records it)"),
     Knob("placement", "choice", "device", "where the tables live: device memory, host memory, or disk",
          PLACEMENTS),
     Knob("backend", "str", "auto", "gather backend (auto lets the device probe choose; torch, triton, cpu, cuda, hip)"),

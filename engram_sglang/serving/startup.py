@@ -4,7 +4,8 @@ The Qwen3 Engram family (models/qwen3_engram.py) opens one runtime per model and
 our NgramHasher over the served tokenizer. DeepSeek-V4.1 (models/deepseek_v4_hook.py) opens one
 per process, which every Engram layer finds again, and hashes with upstream's EngramHasher
 (attached later: `EngramRuntime.use_hasher`); its ranks may run attention data or context
-parallelism (`rank_rows`). Both open the stores here, refuse what a CUDA graph or the ranks'
+parallelism (`rank_rows`). Both check the checkpoint the tables record against the model
+directory (`check_provenance`), open the stores here, refuse what a CUDA graph or the ranks'
 tokens cannot serve, and log a configuration error as one line before raising it: SGLang prints
 the traceback of a failed scheduler, the line says what to fix.
 """
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..core.config import DEFAULT_TABLE_DIR, EngramConfig
-from ..core.errors import EngramError
+from ..core.errors import EngramConfigError, EngramError
 from .runtime import EngramRuntime, active_runtimes
 from .settings import ServeSettings
 
@@ -78,6 +79,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
             for runtime in active_runtimes():
                 if getattr(runtime, "hook_key", None) == key:
                     return runtime
+        check_provenance(settings, table_dir, model_path)
         cfg = cfg if cfg is not None else _engram_config(model_path, table_dir)
         hasher = _ngram_hasher(cfg, tokenizer_path) if tokenizer_path is not None else None
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
@@ -93,6 +95,31 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
         runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
     runtime.context_parallel = context_parallel
     return runtime
+
+
+def check_provenance(settings: ServeSettings, table_dir: Path, model_path: Optional[str]) -> None:
+    """The checkpoint the tables' manifest records (core/tablefile/provenance.py) against the
+    model directory's, before anything is opened: another checkpoint's tables would serve
+    without a word. Nothing to compare without a model path or checkpoint files there."""
+    from ..core.tablefile import MANIFEST, checkpoint_hash, read_manifest
+
+    if settings.skip_provenance or not model_path:
+        return
+    found = checkpoint_hash(model_path)
+    if found is None:
+        return
+    recorded = read_manifest(table_dir)[0].get("provenance")
+    if recorded is None:
+        logger.warning("engram-sglang: %s records no checkpoint, so the tables are not checked against %s: record "
+                       "it with `engram-sglang tables verify %s --model %s --record`",
+                       table_dir / MANIFEST, model_path, table_dir, model_path)
+        return
+    if recorded["checkpoint_sha256"] != found[0]:
+        raise EngramConfigError(
+            f"{table_dir}: the tables were converted from checkpoint sha256 {recorded['checkpoint_sha256']} "
+            f"({recorded['hashed']}), the model directory {model_path} has sha256 {found[0]} ({found[1]}): convert "
+            f"the tables from {model_path} again, or start with --engram-skip-provenance (ENGRAM_SKIP_PROVENANCE=1) "
+            f"to serve them anyway")
 
 
 def _engram_config(model_path: Optional[str], table_dir: Path) -> EngramConfig:

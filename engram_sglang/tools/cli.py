@@ -29,13 +29,46 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from ..core.config import EngramConfig
-    from ..core.tablefile import verify_tables
+    from pathlib import Path
 
-    cfg = EngramConfig.resolve(args.config) if args.config else None
-    done = verify_tables(args.table_dir, cfg)
-    print(f"{args.table_dir}: OK ({', '.join(f'layer {L}: {n:,} rows' for L, n in sorted(done.items()))})")
+    from ..core.config import DEFAULT_TABLE_DIR, EngramConfig
+    from ..core.tablefile import read_manifest, verify_tables
+
+    if args.record and not args.model:
+        raise EngramError("tables verify --record: give --model DIR, the checkpoint directory to record")
+    if args.table_dir is None and not args.model:
+        raise EngramError("tables verify: give a table directory, or --model DIR (for DIR's own tables)")
+    table_dir = Path(args.table_dir) if args.table_dir is not None else Path(args.model) / DEFAULT_TABLE_DIR
+    spec = args.config or args.model
+    cfg = EngramConfig.resolve(spec) if spec else None
+    layers = read_manifest(table_dir)[0]["layers"]  # as verified: --record refuses a directory swapped meanwhile
+    done = verify_tables(table_dir, cfg)
+    print(f"{table_dir}: OK ({', '.join(f'layer {L}: {n:,} rows' for L, n in sorted(done.items()))})")
+    if args.model:
+        _provenance(table_dir, Path(args.model), layers, record=args.record)
     return 0
+
+
+def _provenance(table_dir, model, layers, *, record: bool) -> None:
+    """The checkpoint the manifest records against `model`'s; with `record`, written into it."""
+    from ..core.tablefile import checkpoint_provenance, read_manifest, record_provenance
+    from ..core.tablefile.provenance import describe
+
+    found = checkpoint_provenance(model)
+    if record:
+        old = record_provenance(table_dir, found, expect_layers=layers)
+        was = "" if old is None or old["checkpoint_sha256"] == found["checkpoint_sha256"] else f" (was {describe(old)})"
+        print(f"{table_dir}: recorded checkpoint {describe(found)} of {model}{was}")
+        return
+    recorded = read_manifest(table_dir)[0].get("provenance")
+    if recorded is None:
+        print(f"{table_dir}: records no checkpoint; record {model}'s with --record")
+    elif recorded["checkpoint_sha256"] != found["checkpoint_sha256"]:
+        raise EngramError(f"{table_dir}: converted from checkpoint sha256 {recorded['checkpoint_sha256']}, {model} "
+                          f"has sha256 {found['checkpoint_sha256']}: convert the tables from {model} again "
+                          f"(or --record to vouch that they belong to it)")
+    else:
+        print(f"{table_dir}: checkpoint matches {model} ({describe(found)})")
 
 
 def _cmd_inspect(args) -> int:
@@ -178,6 +211,8 @@ class _LazyCommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..core.config import DEFAULT_TABLE_DIR  # (no torch)
+
     parser = argparse.ArgumentParser(prog="engram-sglang", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_LazyCommandParser)
 
@@ -188,8 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="preset name or config.json to use instead of CHECKPOINT/config.json")
     p.set_defaults(func=_cmd_convert)
     p = tables.add_parser("verify", help="check sizes, config and every chunk checksum of a table directory")
-    p.add_argument("table_dir")
+    p.add_argument("table_dir", nargs="?", help=f"table directory (default with --model: MODEL/{DEFAULT_TABLE_DIR})")
     p.add_argument("--config", help="also require the tables to be built for this preset / config.json / model dir")
+    p.add_argument("--model", metavar="DIR", help="the model directory they serve: require its config (unless "
+                   "--config) and the checkpoint the manifest records")
+    p.add_argument("--record", action="store_true", help="with --model: record DIR's checkpoint in the manifest "
+                   "(tables converted before it was recorded), after the checks; nothing else is rewritten")
     p.set_defaults(func=_cmd_verify)
     p = tables.add_parser("inspect", help="summarize a table directory")
     p.add_argument("table_dir")

@@ -163,6 +163,68 @@ def test_a_configuration_error_is_one_logged_line_and_opens_nothing(tokenizer_an
     assert set(active_runtimes()) == before
 
 
+# ------------------------------------------------- the checkpoint the tables came from
+def _model_dir(path, cfg, tensors):
+    """A model directory of `cfg` whose checkpoint is one shard of `tensors` (its header is what is hashed)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg.hash_fields()))
+    save_file({k: torch.zeros(n) for k, n in tensors.items()}, path / "model.safetensors")
+    return path
+
+
+def test_tables_of_another_checkpoint_do_not_start_unless_told(tokenizer_and_tables, tmp_path, caplog):
+    """Mismatch fails in one line naming both hashes and the override; the override and the
+    matching checkpoint start; tables without provenance start with one warning, and once
+    recorded (`tables verify --model --record`) start without it."""
+    import shutil
+
+    from engram_sglang.core.errors import EngramConfigError
+    from engram_sglang.core.tablefile import checkpoint_hash, read_manifest
+    from engram_sglang.serving.runtime import active_runtimes
+    from engram_sglang.tools.cli import main
+
+    tok, cfg, written = tokenizer_and_tables
+    tables = tmp_path / "tables"
+    shutil.copytree(written, tables)
+    ours, theirs = _model_dir(tmp_path / "ours", cfg, {"a": 4}), _model_dir(tmp_path / "theirs", cfg, {"a": 5})
+    start = dict(parallel=SERIAL, table_dir=tables, cfg=cfg, device="cpu")
+    host = ServeSettings(placement="host")
+
+    def opens(settings, model):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="engram_sglang"):
+            startup.open_runtime(settings, model_path=str(model), **start).close()
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    # No provenance (what older converts wrote): one warning saying how to record it.
+    warned = opens(host, ours)
+    assert len(warned) == 1 and "records no checkpoint" in warned[0], warned
+    assert f"engram-sglang tables verify {tables} --model {ours} --record" in warned[0]
+    assert main(["tables", "verify", str(tables), "--model", str(ours), "--record"]) == 0
+    assert read_manifest(tables)[0]["provenance"]["checkpoint_sha256"] == checkpoint_hash(ours)[0]
+    assert opens(host, ours) == []  # recorded: checked, and it matches
+    before = set(active_runtimes())
+    with caplog.at_level(logging.ERROR, logger="engram_sglang"), pytest.raises(EngramConfigError) as e:
+        startup.open_runtime(host, model_path=str(theirs), **start)
+    message = str(e.value)
+    assert "\n" not in message and set(active_runtimes()) == before  # nothing opened
+    for word in (checkpoint_hash(ours)[0], checkpoint_hash(theirs)[0], "--engram-skip-provenance",
+                 "ENGRAM_SKIP_PROVENANCE"):
+        assert word in message, message
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [f"engram-sglang: error: {message}"]
+    # The override, as the flag's variable: starts without a word.
+    skip = ServeSettings.from_env({"ENGRAM_PLACEMENT": "host", "ENGRAM_SKIP_PROVENANCE": "1"})
+    assert skip.skip_provenance is True and opens(skip, theirs) == []
+    # No model path, or no checkpoint files in it: nothing to compare, nothing said.
+    (tmp_path / "bare").mkdir()
+    assert opens(host, tmp_path / "bare") == []
+
+
 # --------------------------------------------------------- one spelling of the default
 def default_table_dir_spellings(package: Path) -> list[str]:
     """file:line of every string value in the package that spells the default table directory's

@@ -45,6 +45,44 @@ def test_convert_verify_inspect(tmp_path, rng, capsys):
     assert "layer   2:" in capsys.readouterr().out
 
 
+def test_verify_checks_and_records_the_checkpoint(tmp_path, rng, capsys):
+    """`tables verify --model DIR`: the checkpoint the manifest records against DIR's, a mismatch
+    exit 2; `--record` writes DIR's into it (tables converted before it was recorded)."""
+    from engram_sglang.core.config import DEFAULT_TABLE_DIR
+    from engram_sglang.core.tablefile import checkpoint_hash, read_manifest
+
+    ckpt, _ = checkpoint(tmp_path, rng)
+    out = ckpt / DEFAULT_TABLE_DIR  # the model's own: --model alone finds it
+    assert main(["tables", "convert", str(ckpt), str(out)]) == 0
+    assert f"checkpoint sha256 {checkpoint_hash(ckpt)[0]} (safetensors headers), 1 shard(s)" in capsys.readouterr().out
+    assert main(["tables", "verify", "--model", str(ckpt)]) == 0
+    assert f"{out}: checkpoint matches {ckpt}" in capsys.readouterr().out
+    # Another checkpoint of the same config (its shard holds one more tensor): exit 2, one line.
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other, ignore=shutil.ignore_patterns(DEFAULT_TABLE_DIR))
+    w, s = split(torch.zeros(EngramLayout(CFG).rows(2), ROW_BYTES, dtype=torch.uint8))
+    save_file({"model.layers.2.engram.embed.weight": w, "model.layers.2.engram.embed.scale": s,
+               "lm_head.weight": torch.zeros(2)}, other / "model.safetensors")
+    assert main(["tables", "verify", str(out), "--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and checkpoint_hash(ckpt)[0] in err and checkpoint_hash(other)[0] in err, err
+    # --record vouches for it: the manifest then names `other`, and verify agrees.
+    before = {p.name: p.read_bytes() for p in out.glob("layer-*")}
+    assert main(["tables", "verify", str(out), "--model", str(other), "--record"]) == 0
+    assert f"recorded checkpoint sha256 {checkpoint_hash(other)[0]}" in capsys.readouterr().out
+    assert read_manifest(out)[0]["provenance"]["checkpoint_sha256"] == checkpoint_hash(other)[0]
+    assert {p.name: p.read_bytes() for p in out.glob("layer-*")} == before
+    assert main(["tables", "verify", str(out), "--model", str(other)]) == 0
+    # Corrupt rows are never vouched for: the checksums are checked before anything is recorded.
+    manifest = (out / MANIFEST).read_bytes()
+    layer = out / layer_file_name(2)
+    raw = bytearray(layer.read_bytes())
+    raw[-1] ^= 0xFF
+    layer.write_bytes(bytes(raw))
+    assert main(["tables", "verify", str(out), "--model", str(ckpt), "--record"]) == 2
+    assert "checksum mismatch" in capsys.readouterr().err and (out / MANIFEST).read_bytes() == manifest
+
+
 def test_errors_are_one_line_and_exit_2(tmp_path, rng):
     ckpt, _ = checkpoint(tmp_path, rng)
     out = tmp_path / "tables"
@@ -131,6 +169,11 @@ def _hostile_cases(tmp_path, gen):
     table_dir("header-garbage", lambda d: (d / layer_file_name(2)).write_bytes(
         b"ENGRAMRW\x01\x00\x00\x00\x05\x00\x00\x00[1,2]".ljust(4096, b"\0") + (d / layer_file_name(2)).read_bytes()[4096:]))
     table_dir("layer-fifo", lambda d: ((d / layer_file_name(2)).unlink(), os.mkfifo(d / layer_file_name(2))))
+    table_dir("provenance-str", manifest(lambda m: {**m, "provenance": "x"}))
+    table_dir("provenance-sha", manifest(lambda m: {**m, "provenance": {**m["provenance"], "checkpoint_sha256": 1}}))
+    cases.append(("verify neither dir nor --model", ["tables", "verify"]))
+    cases.append(("verify --record without --model", ["tables", "verify", str(good), "--record"]))
+    cases.append(("verify --model of a dir without config.json", ["tables", "verify", str(good), "--model", str(tmp_path)]))
     cases.append(("verify missing dir", ["tables", "verify", str(tmp_path / "nowhere")]))
     cases.append(("verify bad --config", ["tables", "verify", str(good), "--config", str(tmp_path / "none.json")]))
 

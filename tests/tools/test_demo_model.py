@@ -17,7 +17,7 @@ from tests.support.demo_support import demo_dir, reference, table_dir
 NEW_TOKENS = 16
 
 
-def test_writes_a_qwen3_engram_model_with_packed_tables():
+def test_writes_a_qwen3_engram_model_with_packed_tables(tmp_path):
     d = demo_dir()
     config = json.loads((d / "config.json").read_text())
     assert config["architectures"] == ["Qwen3EngramForCausalLM"] and config["model_type"] == "qwen3"
@@ -28,6 +28,12 @@ def test_writes_a_qwen3_engram_model_with_packed_tables():
     assert set(open_tables(table_dir(), cfg)) == {1, 3}
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (d / name).is_file()
+    # They record the checkpoint, which the Engram-off copy the demo serves from them shares.
+    from engram_sglang.core.tablefile import checkpoint_hash, read_manifest
+    from engram_sglang.tools.demo.serve import engram_off_model
+
+    recorded = read_manifest(table_dir())[0]["provenance"]["checkpoint_sha256"]
+    assert recorded == checkpoint_hash(d)[0] == checkpoint_hash(engram_off_model(d, tmp_path / "off"))[0]
 
 
 @pytest.mark.slow

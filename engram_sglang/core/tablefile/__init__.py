@@ -11,8 +11,12 @@ Opened read-only as memory maps after every size, layout and fingerprint check o
 and headers (nothing in them is trusted: a manifest may be edited, truncated, or name a
 FIFO); `verify_tables` re-reads the checksums.
 
+The manifest may record the checkpoint the rows came from (`provenance`), which start-up
+checks against the served model directory.
+
 By concern: `fileformat` (names, header, constants), `read` (open, verify, inspect),
-`write` (write_tables), `convert` (from a checkpoint); this package re-exports their names.
+`write` (write_tables, record_provenance), `convert` (from a checkpoint), `provenance` (the
+checkpoint's identity); this package re-exports their names.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from .fileformat import (
     RowSource,
     layer_file_name,
 )
+from .provenance import checkpoint_hash, checkpoint_provenance
 from .read import Tables, inspect_tables, open_tables, read_manifest, verify_tables
-from .write import write_tables
+from .write import record_provenance, write_tables
 
 __all__ = [
     "CHUNK_ROWS",
@@ -42,11 +47,14 @@ __all__ = [
     "LayerInfo",
     "RowSource",
     "Tables",
+    "checkpoint_hash",
+    "checkpoint_provenance",
     "convert_checkpoint",
     "inspect_tables",
     "layer_file_name",
     "open_tables",
     "read_manifest",
+    "record_provenance",
     "verify_tables",
     "write_tables",
 ]

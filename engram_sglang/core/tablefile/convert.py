@@ -3,7 +3,6 @@ table directory, every tensor checked before anything is written."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -12,13 +11,12 @@ import numpy as np
 
 from ..config import EngramConfig
 from ..errors import TableFormatError
-from ..fileio import open_regular, read_regular
+from ..fileio import open_regular
 from ..hashing import EngramLayout
 from ..rowformat import PAYLOAD_BYTES, SCALE_BYTES, pack
-from .fileformat import CHUNK_ROWS, MAX_MANIFEST_BYTES, _is_count, _one_line, _plain_name, _short
+from .fileformat import CHUNK_ROWS, _is_count, _one_line
+from .provenance import checkpoint_provenance, read_index
 from .write import write_tables
-
-_INDEX = "model.safetensors.index.json"
 
 
 def _tensor_names(layer_id: int) -> dict[str, list[str]]:
@@ -56,26 +54,9 @@ class _open_shard:
 
 def _index_checkpoint(ckpt: Path, safe_open) -> dict[str, Path]:
     """Tensor name -> shard file, from the index when present, else by reading every header."""
-    index = ckpt / _INDEX
-    if os.path.lexists(index):
-        try:
-            text = read_regular(index, MAX_MANIFEST_BYTES, TableFormatError, "checkpoint index")
-        except FileNotFoundError:  # lexists: a symlink to nowhere
-            raise TableFormatError(f"{index}: a symlink to a missing file ({os.path.realpath(index)})") from None
-        try:  # (apart from the read: TableFormatError is a ValueError too)
-            raw = json.loads(text)
-        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, not UTF-8, or an int of > 4300 digits
-            raise TableFormatError(f"{index}: unreadable index ({type(e).__name__})") from None
-        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(weight_map, dict):
-            raise TableFormatError(f"{index}: no weight_map object (tensor name -> shard file)")
-        out = {}
-        for name, shard in weight_map.items():
-            # Shards sit beside the index: a plain file name, never a path out of the checkpoint.
-            if not _plain_name(shard):
-                raise TableFormatError(f"{index}: tensor {_short(name)} maps to {_short(shard)}, not a shard file name")
-            out[name] = ckpt / shard
-        return out
+    index = read_index(ckpt)
+    if index is not None:
+        return {name: ckpt / shard for name, shard in index[1].items()}
     shards = sorted(ckpt.glob("*.safetensors"))
     if not shards:
         raise TableFormatError(f"{ckpt}: no *.safetensors files")
@@ -95,7 +76,8 @@ def convert_checkpoint(
 ) -> Path:
     """Pack a checkpoint's `layers.{L}.engram.embed.weight` (fp8 [R, 256]) and `.scale`
     (e8m0 [R, 8]) tensors, with or without the `model.` prefix and in any shards, into a
-    table directory. The config comes from CHECKPOINT/config.json unless given.
+    table directory. The config comes from CHECKPOINT/config.json unless given; the
+    checkpoint's identity is recorded in the manifest (provenance.py).
 
     Every tensor's shard, dtype and shape are checked before anything is written, and the
     tables are written beside `out_dir` and swapped in only when complete (write_tables):
@@ -123,10 +105,11 @@ def convert_checkpoint(
             found[kind] = (name, where[name])
         _check_tensors(found, layout.rows(layer_id), safe_open)
         sources[layer_id] = _layer_chunks(found, layout.rows(layer_id), chunk_rows, safe_open)
+    provenance = checkpoint_provenance(ckpt)  # recorded in the manifest, checked at start-up
     # The path written, resolved now: `.` or `sub/../x` may name another directory after the swap.
     written = Path(os.path.realpath(out_dir))
     _check_out_parent(Path(out_dir), written)
-    write_tables(out_dir, cfg, sources, chunk_rows=CHUNK_ROWS, progress=progress)
+    write_tables(out_dir, cfg, sources, chunk_rows=CHUNK_ROWS, progress=progress, provenance=provenance)
     return written
 
 

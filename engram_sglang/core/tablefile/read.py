@@ -33,6 +33,7 @@ from .fileformat import (
     _same_int,
     _short,
 )
+from .provenance import check_provenance, describe
 
 
 class Tables(Mapping[int, np.ndarray]):
@@ -105,6 +106,8 @@ def read_manifest(table_dir: str | os.PathLike) -> tuple[dict, dict[int, LayerIn
     if sorted(layers) != sorted(cfg.layer_ids):
         raise TableFormatError(f"{mpath}: lists layers {sorted(layers)}, its config block has {sorted(cfg.layer_ids)}")
     _check_rows(layers, layout, mpath, "its own config block")
+    if "provenance" in manifest:  # optional: manifests written before it lack it
+        check_provenance(manifest["provenance"], str(mpath))
     return manifest, layers
 
 
@@ -282,6 +285,7 @@ def inspect_tables(table_dir: str | os.PathLike) -> str:
         f"table directory {tables.root}",
         f"  format {FORMAT} v{VERSION}, {ROW_BYTES} B rows, config {tables.fingerprint}",
         f"  {_describe(cfg.hash_fields())}, head_dim={cfg.head_dim}",
+        f"  checkpoint {describe(tables.manifest.get('provenance'))}",
     ]
     total = 0
     for layer_id, info in sorted(tables.layers.items()):

@@ -1,8 +1,13 @@
 """Writing a table directory: streamed chunk by chunk into a fresh directory beside the
-target, checked by opening it, then swapped in whole under a lock on the parent."""
+target, checked by opening it, then swapped in whole under a lock on the parent.
+
+Modes are set explicitly, whatever the writer's umask: directory 0755, files 0644, so that a
+server of another uid (a container user reading a `:ro` mount) can open them; mkdtemp's 0700
+would refuse it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -36,7 +41,10 @@ from .fileformat import (
     _no_bar,
     layer_file_name,
 )
-from .read import open_tables
+from .provenance import check_provenance
+from .read import open_tables, read_manifest
+
+DIR_MODE, FILE_MODE = 0o755, 0o644
 
 
 def write_tables(
@@ -46,11 +54,13 @@ def write_tables(
     *,
     chunk_rows: int = CHUNK_ROWS,
     progress: Optional[bool] = None,
+    provenance: Optional[dict] = None,
 ) -> Path:
     """Write every Engram layer's packed rows into `out_dir` and its manifest.
 
     `rows_by_layer[L]` is a uint8 [R, 264] array/tensor (a memory map is fine) or an
-    iterable of such chunks, R = the layout's row count for layer L.
+    iterable of such chunks, R = the layout's row count for layer L. `provenance`: the
+    checkpoint the rows came from (provenance.checkpoint_provenance), None for none.
     """
     out = Path(out_dir)
     layout = EngramLayout(cfg)
@@ -59,6 +69,8 @@ def write_tables(
         raise TableFormatError(f"write_tables: no rows given for Engram layer(s) {missing} of {cfg.source}")
     if not _is_count(chunk_rows):
         raise TableFormatError(f"write_tables: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    if provenance is not None:
+        check_provenance(provenance, "write_tables")
     # Beside the real target (a symlink's), so the final swap is a rename on one filesystem.
     target = Path(os.path.realpath(out))
     _check_target(target)
@@ -68,8 +80,9 @@ def write_tables(
     except OSError as e:
         raise TableFormatError(f"{out}: cannot create a table directory there ({e.strerror})") from None
     try:
-        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, progress)
+        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, progress, provenance)
         open_tables(work, cfg)  # what was written must open before it replaces anything
+        os.chmod(work, DIR_MODE)  # (its files got FILE_MODE as they were written)
         _swap_in(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -84,7 +97,7 @@ def _sibling_prefix(target: Path, what: str) -> str:
     return f".engram-{digest}.{what}-{os.getpid()}-"
 
 
-def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress) -> None:
+def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress, provenance) -> None:
     layers = []
     for layer_id in cfg.layer_ids:
         expected = layout.rows(layer_id)
@@ -107,6 +120,8 @@ def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress) -> 
         "config": {**cfg.hash_fields(), "engram_num_embeddings": list(layout.num_embeddings)},
         "layers": layers,
     }
+    if provenance is not None:  # optional: older manifests lack it
+        manifest["provenance"] = provenance
     try:
         _atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(out)
@@ -240,6 +255,7 @@ def _write_layer(path, layer_id, cfg, expected, source, chunk_rows, progress) ->
                 raise TableFormatError(f"{path}: layer {layer_id} got {written} rows, its layout has {expected}")
             if in_chunk:
                 checksums.append(hasher.hexdigest())
+            os.fchmod(f.fileno(), FILE_MODE)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -253,8 +269,45 @@ def _write_layer(path, layer_id, cfg, expected, source, chunk_rows, progress) ->
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), FILE_MODE)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # (a read-only filesystem refuses even this)
+            tmp.unlink()
+        raise
+
+
+def record_provenance(table_dir: str | os.PathLike, provenance: dict, *, expect_layers=None) -> Optional[dict]:
+    """Put `provenance` into an existing table directory's manifest, nothing else changed
+    (`tables verify --model DIR --record`): the new manifest is written beside the old one
+    and renamed over it (a reader sees one or the other), under the lock writers swap
+    directories under. `expect_layers`: the manifest's "layers" as verified; a directory
+    swapped meanwhile is refused. Returns the provenance replaced, None where there was none."""
+    check_provenance(provenance, "record_provenance")
+    root = Path(os.path.realpath(table_dir))
+    mpath = root / MANIFEST
+    try:
+        lock = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise TableFormatError(f"{root.parent}: cannot open the directory to lock it ({e.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest, _ = read_manifest(root)
+        if expect_layers is not None and manifest["layers"] != expect_layers:
+            raise TableFormatError(f"{root}: the tables were replaced while they were verified; run it again")
+        old = manifest.get("provenance")
+        manifest["provenance"] = provenance
+        try:
+            _atomic_write(mpath, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(root)
+        except OSError as e:
+            raise TableFormatError(f"{mpath}: cannot rewrite the manifest ({e.strerror or e}); "
+                                   f"record it where the directory is writable") from None
+    finally:
+        os.close(lock)
+    return old

@@ -199,7 +199,7 @@ def _write_model(out: Path, config_source: Path, progress: bool) -> None:
     """The demo model's files, into directory `out` (its config names `config_source`)."""
     from safetensors.torch import save_file
 
-    from ...core.tablefile import write_tables
+    from ...core.tablefile import checkpoint_provenance, write_tables
 
     texts = demo_corpus()
     tokenizer = train_tokenizer(texts, VOCAB)
@@ -213,7 +213,9 @@ def _write_model(out: Path, config_source: Path, progress: bool) -> None:
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     tokenizer.save_pretrained(str(out))
-    write_tables(out / TABLE_DIR_NAME, cfg, tables, progress=progress)
+    # The tables belong to this checkpoint (and to the Engram-off copy the demo serves, whose
+    # weights differ only in value: the same safetensors header).
+    write_tables(out / TABLE_DIR_NAME, cfg, tables, progress=progress, provenance=checkpoint_provenance(out))
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}) + "\n")
 
 
