@@ -44,6 +44,10 @@ ATTRIBUTES: dict[str, dict[str, Optional[int]]] = {
     "pageable_memory_access": {CUDA: 88, HIP: 65},
     "can_use_host_pointer_for_registered_mem": {CUDA: 91, HIP: 4},
     "host_register_read_only_supported": {CUDA: 113, HIP: None},
+    # 1 where the device reads host memory through the host's page tables (ATS: NVLink-C2C,
+    # GH200/GB200); 0 where it maps registered host memory in its own (PCIe Hopper/Blackwell).
+    # HIP: not asked (row order is not a measured win there; upstream SGLang never sorts on HIP).
+    "pageable_memory_access_uses_host_page_tables": {CUDA: 100, HIP: None},
 }
 
 
@@ -187,11 +191,15 @@ class HostAccess:
     same_address  that device pointer is the host pointer itself (unified addressing and
                   can-use-host-pointer-for-registered-memory)
     read_only     it accepts the ReadOnly registration flag (CUDA only)
+    address_ordered  random rows of registered host memory are best read in address order: the
+                  device maps it in its own page tables (reported, not assumed: no ATS), whose
+                  translation reach is far below a table's size
     """
 
     mapped: bool
     same_address: bool
     read_only: bool
+    address_ordered: bool = False
 
 
 def host_access(runtime, device: int) -> HostAccess:
@@ -202,7 +210,8 @@ def host_access(runtime, device: int) -> HostAccess:
 
     same = yes("unified_addressing") and yes("can_use_host_pointer_for_registered_mem")
     return HostAccess(mapped=yes("can_map_host_memory"), same_address=same,
-                      read_only=yes("host_register_read_only_supported"))
+                      read_only=yes("host_register_read_only_supported"),
+                      address_ordered=runtime.attribute("pageable_memory_access_uses_host_page_tables", device) == 0)
 
 
 def bind(vendor: str, objects: Optional[list[str]] = None) -> GpuRuntime:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import EngramConfigError, EngramError
 from ..ops import probe
-from ..rowformat import ROW_BYTES
+from ..rowformat import ROW_BYTES, ROW_VALUES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmcopy, thp
 from . import numa as numa_mod
@@ -126,12 +126,28 @@ class HostStore(WholeTableStore):
             self.registration = hostmem.register_with_gpu(self.table.data_ptr(), (hi - lo) * ROW_BYTES, device=index)
             self.table_address = self.registration.device_pointer(self.table.data_ptr())
             self.memory.registered = True
+        # Without ATS the GPU translates every row of a table far beyond its translation reach:
+        # read in address order, each translation serves a run of rows (upstream SGLang does so too).
+        self.sorted_reads = self.registration is not None and self.registration.address_ordered
         # Pages: measured from smaps where any are resident (a registered table is), and what
         # the mount or the THP knob gives (stores/thp.py), for the start-up line and warning.
         self.huge = self.memory.huge_pages_report()
         self.huge_pages = huge_pages
         self.pages = thp.probe_dir(shm_dir) if self.shared else thp.probe_anonymous(huge_pages)
         METRICS.host_facts(self)
+
+    def _gather(self, ids, out):
+        if not self.sorted_reads:
+            return super()._gather(ids, out)
+        # Sorted and scattered back on the device (no host sync; capturable): the rows come out
+        # in the ids' order, bit for bit what the unsorted read gives.
+        flat = ids.reshape(-1).to(self.device)
+        order = torch.argsort(flat)
+        rows, unique = super()._gather(flat[order], None)
+        if out is None:
+            out = torch.empty((*ids.shape, ROW_VALUES), dtype=torch.bfloat16, device=self.device)
+        out.view(-1, ROW_VALUES).index_copy_(0, order, rows.view(-1, ROW_VALUES))
+        return out, unique
 
     @property
     def resident_bytes(self) -> int:
@@ -182,7 +198,7 @@ class HostStore(WholeTableStore):
                  page_size_kib=None if small is None else (mmap.PAGESIZE if small else hostmem.HUGE_PAGE) >> 10,
                  pages_measured=self.measured, page_memory=plan.memory, mount_huge=plan.huge_option or None,
                  shmem_enabled=plan.shmem_enabled or None, thp_enabled=plan.thp_enabled or None,
-                 page_fix=self.page_fix() or None)
+                 page_fix=self.page_fix() or None, reads_in_address_order=self.sorted_reads)
         return s
 
     def page_fix(self) -> str:

@@ -193,6 +193,7 @@ class Registration:
     flags: int
     device_address: int
     runtime: object = field(repr=False, compare=False)
+    address_ordered: bool = False  # gpu_runtime.HostAccess.address_ordered of `device`
 
     def device_pointer(self, host_address: int) -> int:
         """The device address of `host_address`, which must lie inside the registered range."""
@@ -276,7 +277,7 @@ def register_with_gpu(address: int, nbytes: int, *, device: int, runtime=None,
             runtime.host_unregister(start)
             raise EngramError(f"placement host: {runtime.vendor} device {device} gives no device address for "
                               f"registered host memory ({e}): choose placement device or disk") from None
-    return Registration(start, length, device, flags, device_address, runtime)
+    return Registration(start, length, device, flags, device_address, runtime, access.address_ordered)
 
 
 def unregister_from_gpu(registration: Registration) -> None:
