@@ -20,6 +20,11 @@ lookup then asks the runtime for its rows and waits on its own gather. A lookup 
 not the step's own is gathered as it comes: a context-parallel rank's slice of the prompt
 (`cp_all_tokens`), or a lookup captured into a CUDA graph while the step's hashing ran
 outside it (the prefill graph's eager hashing segment; a replay reads the graph's copy).
+With the disk tier and `--engram-disk-graphs on`, decode graphs stay: before each replay the
+step's ids are peeked over the hasher's history (decode and target-verify windows, upstream's
+`hash_windows`: serving/history.py) and their rows staged into fixed buffers, which the
+captured lookups read (serving/staged_rows.py); DSpark and encoder SWA bounded replay are
+refused in one line (`staged_graphs_refusal`), an Engram layer in the late-layer tail at load.
 
 Parallelism: under plain tensor parallelism a rank holds a shard of every table and the
 runtime all-reduces the rows (or reads whole rows where the placement's node copy allows it).
@@ -44,7 +49,7 @@ from torch import nn
 
 from ..core.config import DEFAULT_TABLE_DIR
 from ..core.errors import EngramError
-from ..core.planning.graphs import UNSTAGED_MODEL_TYPES
+from ..core.planning.graphs import unstaged_reason
 from ..core.rowformat import ROW_VALUES
 
 logger = logging.getLogger(__name__)
@@ -207,13 +212,36 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
     if table_dir is None:
         return None
     if settings.disk_graphs:
-        # Staged rows are filled before each replay from our StepHasher's peek at the step's ids;
-        # upstream's hasher, which DeepSeek-V4.1 keeps (its hash is the checkpoint's), has none.
-        raise EngramError(f"--engram-disk-graphs on serves the Qwen3 Engram family; "
-                          f"{UNSTAGED_MODEL_TYPES['deepseek_v4']}: start without it")
+        # Staged rows are filled before each replay from a peek at the step's ids over upstream's
+        # hasher history (serving/history.py `SequenceHasher.peek_step`): decode and target-verify.
+        why = unstaged_reason("deepseek_v4") or staged_graphs_refusal()
+        if why:
+            raise EngramError(f"--engram-disk-graphs on: {why}: start without it")
     # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
     return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
                         attention_parallel=True, per_process=True)
+
+
+def staged_graphs_refusal(spec=None, features=None) -> Optional[str]:
+    """Why this server's DeepSeek-V4.1 decode graphs cannot read staged rows (None: they can).
+    Covered: decode and MTP/EAGLE target-verify steps (image tokens: upstream's hash_windows).
+    Not covered: DSpark (its draft/verify commits Engram history its own way) and encoder SWA
+    bounded replay (its graphs run the layers over request windows, not the step's tokens).
+    `spec`, `features`: SGLang's published spec and exec.features namespaces (asked when None)."""
+    if spec is None or features is None:
+        from sglang.srt.runtime_context import get_exec, get_spec
+
+        try:
+            spec, features = get_spec(), get_exec().features
+        except (AttributeError, RuntimeError, ValueError):  # nothing published: a module-level caller
+            return None
+    algorithm = str(getattr(spec, "speculative_algorithm", None) or "").upper()
+    if "DSPARK" in algorithm:
+        return "DSpark speculative decoding commits Engram history in its own draft and verify steps, which staged rows do not peek at"
+    if getattr(features, "enable_encoder_swa_bounded_replay", False):
+        return ("encoder SWA bounded replay (--enable-encoder-swa-bounded-replay) replays the layers over request "
+                "windows, not the step's tokens")
+    return None
 
 
 def embedding_factory(upstream):
@@ -247,8 +275,11 @@ def load_weights(original, model, weights, *args, **kwargs):
         weights = ((name, w) for name, w in weights if not _EMBED_TENSOR.search(name))
     out = original(model, weights, *args, **kwargs)
     hasher = getattr(getattr(model, "model", None), "engram_hasher", None)
-    if embeds and hasher is not None:
-        runtime_of(hasher)
+    if embeds:
+        # The decode graph runner's wraps find the runtime here (serving/staged_rows.py).
+        model.engram_runtime = getattr(embeds[0], "runtime", None)
+        if hasher is not None:
+            runtime_of(hasher)
     return out
 
 
@@ -266,6 +297,12 @@ def check_late_layer_tail(model, embeds) -> None:
         return
     runtime = embeds[0].runtime
     tail = sorted(e.layer_id for e in embeds if e.layer_id >= late)
+    if tail and runtime.staged is not None:
+        e = EngramError(f"--engram-disk-graphs on: decoder SWA bounded replay runs Engram layer(s) {tail} over each "
+                        f"request's last tokens only (layers from {late} on), a subset of the step's staged rows: "
+                        f"start SGLang with --no-enable-decoder-swa-bounded-replay, or without --engram-disk-graphs")
+        logger.error("engram-sglang: error: %s", e)
+        raise e
     if tail and modes_in_use(runtime.settings):
         e = EngramError(f"Engram modes (--engram-mode, --engram-ablation) are not applied to the late-layer tail of "
                         f"decoder SWA bounded replay (layers from {late} on), where Engram layer(s) {tail} run: start "

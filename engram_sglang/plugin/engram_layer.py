@@ -31,4 +31,6 @@ def hasher_forward(original, self, input_ids, forward_batch, *args, **kwargs):
 TARGETS = (
     Target(MODULE, "EngramEmbedding", "replace", engram_embedding),
     Target(MODULE, "EngramHasher.forward", "wrap", hasher_forward),
+    # Staged decode graphs hash a step's windows with it before the replay (serving/history.py).
+    Target(MODULE, "EngramHasher.hash_windows", "use"),
 )

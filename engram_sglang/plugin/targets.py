@@ -27,6 +27,7 @@ ACTIONS = {
     "extend": "extends",  # hook(attribute) changes it in place (e.g. a registry's dict)
     "hook-around": "hooks",  # registered with SGLang's HookRegistry as AROUND when the plugin loads
     "hook-after": "hooks",  # ... as AFTER
+    "use": "calls",  # read, never patched: checked present like the others (hook None)
 }
 
 
@@ -94,7 +95,7 @@ def check_module(module, targets: Iterable[Target], module_name: Optional[str] =
 def apply(targets: Iterable[Target], module, *, only: Optional[str] = None) -> None:
     """Patch `module` with each of its targets applied on import (or the one whose attr is `only`)."""
     for t in targets:
-        if not t.on_import or (only is not None and t.attr != only):
+        if not t.on_import or t.action == "use" or (only is not None and t.attr != only):
             continue
         owner_path, _, leaf = t.attr.rpartition(".")
         owner = _lookup(module, owner_path) if owner_path else module

@@ -109,3 +109,30 @@ class SequenceHasher:
         blocked = positions.unsqueeze(-1) < torch.arange(self.n)
         ids, _ = self.module.hash_windows(windows, blocked)
         return ids
+
+    def peek_step(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row ids [T, L, C], each token's request slot [T]) of a decode or target-verify batch,
+        exactly as the module's forward computes them inside a CUDA graph, with its history
+        (oldest first, on the device) left as it is: the disk tier stages these rows before the
+        replay, whose forward then hashes and commits the same tokens (serving/staged_rows.py).
+        The windows are the module's own (its reference path's, a block of `draft_token_num`
+        tokens per request for target-verify), hashed by its `hash_windows`; device work only."""
+        module, n = self.module, self.n
+        mode = forward_batch.forward_mode
+        if module.history is None or not (mode.is_decode() or mode.is_target_verify()):
+            what = "its history is not set up" if module.history is None else f"a {mode.name} batch"
+            raise EngramError(f"staged Engram rows peek at decode and target-verify steps; got {what}")
+        slots = forward_batch.req_pool_indices.to(torch.int64)
+        bs, tokens = slots.shape[0], input_ids.shape[0]
+        block = int(forward_batch.spec_info.draft_token_num) if mode.is_target_verify() else 1
+        if tokens != bs * block:
+            raise EngramError(f"staged Engram rows: {tokens} tokens for {bs} requests of {block}")
+        # Per request: its n-1 history tokens, then the step's; token o's s-th predecessor is
+        # seq[n-1+o-s] (the history where o < s, as the module's reference path reads it).
+        seq = torch.cat([module.history[slots].to(torch.int64), input_ids.view(bs, block).to(torch.int64)], dim=1)
+        windows = seq.unfold(1, n, 1).flip(-1).reshape(tokens, n)
+        positions = forward_batch.positions.to(torch.int64)
+        blocked = positions.unsqueeze(-1) < torch.arange(n, device=positions.device)
+        ids, _ = module.hash_windows(windows, blocked)
+        return ids, slots.repeat_interleave(block, output_size=tokens) if block > 1 else slots
+

@@ -297,6 +297,14 @@ class EngramRuntime:
         outside it: the prefill graph)."""
         t0 = time.perf_counter()
         step = None if self.capturing() else self._current
+        staged = self.staged
+        if step is None and staged is not None and layer_id in staged.layers and not slice_of_step and self.capturing():
+            # A decode or target-verify graph captured with staged rows (--engram-disk-graphs):
+            # its lookup reads the fixed buffer the plugin fills before every replay with the
+            # rows of the step's own ids (`peek_step`), the eager gather's bits. Only the step's
+            # own ids reach a captured lookup: a late-layer tail's subset is refused at load.
+            rows = staged.view(layer_id, ids.shape[0])
+            return sum_owned_rows(rows, self.row_vendor) if self.reduce_rows else rows
         # The step's own column is the very view the hasher returned (same memory, shape and
         # strides): ids of the same shape with other contents are gathered as they come.
         col = step.hash_ids[:, self.layer_index[layer_id]] if step is not None else None
@@ -306,6 +314,22 @@ class EngramRuntime:
         if step is not None:
             step.engram_seconds += time.perf_counter() - t0
         return rows
+
+    def peek_step(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row ids [T, L, C], each token's request slot [T]) of a decode step (and, with a
+        model's own upstream hasher, a target-verify step) as its forward will hash them, the
+        hasher's history left as it is: what staged rows read before a CUDA-graph replay."""
+        from .history import SequenceHasher
+
+        mode = forward_batch.forward_mode
+        peek = getattr(self.step_hasher, "peek_decode", None)
+        if peek is not None and mode.is_decode():
+            return peek(input_ids, forward_batch), forward_batch.req_pool_indices.to(torch.int64)
+        if peek is None and isinstance(self.hasher, SequenceHasher):
+            return self.hasher.peek_step(input_ids, forward_batch)
+        what = f"a {mode.name} batch" if peek is not None else "a hasher that cannot peek at a step"
+        raise EngramError(f"staged Engram rows serve replayed decode steps; got {what}: start without "
+                          f"--engram-disk-graphs")
 
     def use_hasher(self, module) -> None:
         """Take a model's own step hasher (an upstream EngramHasher: DeepSeek-V4.1's, whose hash

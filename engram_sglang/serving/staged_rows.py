@@ -9,8 +9,10 @@ whose address never changes:
 
 1. SGLang's decode graph runner is about to replay a step (the plugin wraps
    `DecodeCudaGraphRunner.execute`: `stage_before_replay`). The model's own hasher computes
-   the step's row ids eagerly, without committing its history (`StepHasher.peek_decode`:
-   the very ids the graph will compute).
+   the step's row ids eagerly, without committing its history (`EngramRuntime.peek_step`:
+   the Qwen3 family's `StepHasher.peek_decode`; DeepSeek-V4.1's decode and target-verify
+   windows over upstream's hasher history, hashed by its `hash_windows`,
+   `SequenceHasher.peek_step`: the very ids the graph will compute).
 2. `StagedRows.stage`: every host-reading layer's gather is issued at once through the
    store's own prefetch, with the ids where they are (the eager path, so the rows are the
    eager path's bits: the disk store copies the ids to pinned memory and its worker reads
@@ -140,8 +142,14 @@ class StagedRows:
 
 
 # ------------------------------------------------------------------ SGLang glue
+def _runtime_of(model):
+    """The runtime serving `model`: the Qwen3 family's own attribute, or the one the DeepSeek
+    hook attaches to upstream's model when its weights load (models/deepseek_v4_hook.py)."""
+    return getattr(model, "runtime", None) or getattr(model, "engram_runtime", None)
+
+
 def _staged_of(model) -> Optional[StagedRows]:
-    return getattr(getattr(model, "runtime", None), "staged", None)
+    return getattr(_runtime_of(model), "staged", None)
 
 
 def reserve_for_capture(model, tokens: int) -> None:
@@ -157,21 +165,13 @@ def stage_before_replay(model, forward_batch) -> None:
     staged = _staged_of(model)
     if staged is None:
         return
-    mode = forward_batch.forward_mode
-    runtime = model.runtime
-    if mode.is_idle():  # a data-parallel rank with no requests this step: nothing to read
+    runtime = _runtime_of(model)
+    if forward_batch.forward_mode.is_idle():  # a data-parallel rank with no requests this step: nothing to read
         staged.stage(torch.zeros(0, len(runtime.layer_index), staged.columns, dtype=torch.int64))
         return
-    hasher = getattr(runtime, "step_hasher", None) or getattr(model, "engram_hasher", None)
-    peek = getattr(hasher, "peek_decode", None)
-    if peek is None or not mode.is_decode():
-        what = "its hasher has no peek_decode" if peek is None else f"a {mode.name} batch"
-        raise EngramError(f"staged Engram rows serve replayed decode steps hashed by our StepHasher; got {what}: "
-                          f"start without --engram-disk-graphs")
-    ids = peek(forward_batch.input_ids, forward_batch)
-    # What the runtime's fault containment reads of a step: each token's request slot
-    # (a decode step has one token per request).
-    step = _StepSlots(forward_batch.req_pool_indices.to(torch.int64))
+    ids, token_req = runtime.peek_step(forward_batch.input_ids, forward_batch)
+    # What the runtime's fault containment reads of a step: each token's request slot.
+    step = _StepSlots(token_req)
 
     def contain(layer_id: int, layer_ids: torch.Tensor, fault: TableIOError) -> torch.Tensor:
         return runtime._contain(step, layer_id, layer_ids, fault)

@@ -524,12 +524,15 @@ def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_pa
         runtime.close()
 
 
-def test_disk_graphs_are_refused_for_deepseek(table):
-    from engram_sglang.core.errors import EngramError
-
+def test_dsv4_disk_graphs_stage_the_host_reading_layers(table):
+    """--engram-disk-graphs on opens staged rows for DeepSeek-V4.1's disk stores (the staging
+    itself: tests/models/test_dsv4_staged_graphs.py)."""
     table_dir, _, _ = table
-    with pytest.raises(EngramError, match="start without it"):
-        open_runtime(table_dir, "disk", disk_graphs=True)
+    runtime = open_runtime(table_dir, "disk", disk_graphs=True)
+    try:
+        assert runtime.staged is not None and sorted(runtime.staged.layers) == sorted(CFG.layer_ids)
+    finally:
+        runtime.close()
 
 
 def test_dsv4_disk_graphs_policy_is_the_planners(table, monkeypatch):

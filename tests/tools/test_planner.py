@@ -456,11 +456,11 @@ def test_disk_prediction_arithmetic_on_the_default_curve():
     assert d["vs_device"]["smallest_tp"] == {"device": p["smallest_tp"]["device"], "disk": p["smallest_tp"]["disk"]}
     assert d["lead_source"].startswith("--lead-ms") and d["iops_source"] == "--disk-iops"
     text = format_text(p)
-    assert "Disk placement: decode step of batch 64" in text and "exposed, staged CUDA graphs" not in text
-    # DeepSeek-V4.1 decodes eagerly from disk (the hook refuses --engram-disk-graphs): said, not "staged".
-    assert p["decode_graphs"]["disk"]["kept"] == "no" and p["decode_graphs"]["device"]["kept"] == "yes"
-    assert "decode CUDA graphs" in text and "decode runs eagerly" in text
-    assert re.search(r"decode CUDA graphs kept\s+yes\s+yes\s+no\n", text)
+    assert "Disk placement: decode step of batch 64" in text and "exposed, staged CUDA graphs" in text
+    # DeepSeek-V4.1 keeps decode graphs from disk only staged (--engram-disk-graphs on): said as opt-in.
+    assert p["decode_graphs"]["disk"]["kept"] == "opt-in" and p["decode_graphs"]["device"]["kept"] == "yes"
+    assert "decode CUDA graphs" in text and "--engram-disk-graphs on and --disable-overlap-schedule" in text
+    assert re.search(r"decode CUDA graphs kept\s+yes\s+yes\s+opt-in\n", text)
     assert f"{read - 0.5:.2f} ms" in text
     # Defaults are labelled: the lead from the model's facts, the latency an assumption.
     r = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=200_000)["disk"]

@@ -1,7 +1,7 @@
 """Whether a placement keeps SGLang's decode CUDA graphs, per model: the one policy the
-serving side applies (serving/graphs.py reads the placement table's `capturable`; the
-DeepSeek-V4.1 hook refuses --engram-disk-graphs with `UNSTAGED_MODEL_TYPES`'s reason) and the
-planner reports (`decode_graphs`)."""
+serving side applies (serving/graphs.py reads the placement table's `capturable`; a model
+hook refuses --engram-disk-graphs with `UNSTAGED_MODEL_TYPES`'s reason) and the planner
+reports (`decode_graphs`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from ..placement_table import placement as placement_spec
 
 # Model types whose host-reading (disk) decode steps cannot be staged before a replay, with why.
 # Keyed by model_type prefix (DeepSeek-V4.1's configs say deepseek_v4 / deepseek_v41).
-UNSTAGED_MODEL_TYPES = {
-    "deepseek_v4": ("DeepSeek-V4.1 hashes with upstream's EngramHasher, whose ids cannot be staged before a "
-                    "replay"),
-}
+# Both families stage today (DeepSeek-V4.1: a peek over upstream's hasher history); a model
+# added here decodes eagerly on the disk tier, and its hook refuses --engram-disk-graphs.
+UNSTAGED_MODEL_TYPES: dict[str, str] = {}
 
 
 def unstaged_reason(model_type: Optional[str]) -> Optional[str]:
