@@ -9,8 +9,9 @@ never reach; the limit that matters is `raw`, measured in the same rounds: the h
 own gather loop (same ids, prefetch and threads) copying the packed rows with no decode. The
 "vs raw" column is the fused gather + decode's rows/s over raw's at the same thread count
 (`cpu xN`: the library called directly, as raw is; `cpu op`: through the torch op, on torch's
-intra-op threads). Each backend's pass starts with the last-level cache evicted, so that none
-runs on rows another left cached.
+intra-op threads; `cpu op sorted`: the same with the ids sorted first and the rows scattered
+back, as the host store reads on a GPU without ATS). Each backend's pass starts with the
+last-level cache evicted, so that none runs on rows another left cached.
 Where the host library decodes with AVX-512 VBMI, `portable` is its other decode (what CPUs
 without VBMI run) in the same rounds.
 
@@ -132,6 +133,16 @@ def cpu_bench(args) -> dict:
         # The library called directly, as raw is, so that "vs raw" compares the decode alone;
         # "cpu op" is the same gather through the torch op (its per-call cost on top).
         runs["cpu op"] = lambda ids: gather_dequant(table, ids, out=outs[tuple(ids.shape)], backend="cpu")
+
+        def address_order(ids):
+            # What HostStore does on a GPU without ATS (sort, gather, scatter back), here on the
+            # CPU: whether reading rows in address order pays for its sort on this backend too.
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat)
+            rows = gather_dequant(table, flat[order], backend="cpu")
+            outs[tuple(ids.shape)].view(-1, 256).index_copy_(0, order, rows)
+
+        runs["cpu op sorted"] = address_order
         for t in (threads, 1):
             runs[f"cpu x{t}"] = lambda ids, t=t: lib.gather(table.data_ptr(), ids.data_ptr(), 8, ids.numel(), 0,
                                                             args.rows, outs[tuple(ids.shape)].data_ptr(), t)
@@ -182,7 +193,7 @@ def cpu_bench(args) -> dict:
         if r["backend"].startswith("raw"):  # 264 B read + 264 B written
             r["gb_s"] = r["rows_per_s"] * 2 * READ / 1e9
             r["gb_s_lines"] = r["rows_per_s"] * (LINES + READ) / 1e9
-        if r["backend"] == "cpu op":  # torch's intra-op threads, as the op passes them
+        if r["backend"] in ("cpu op", "cpu op sorted"):  # torch's intra-op threads, as the op passes them
             r["vs_raw"] = r["rows_per_s"] / next(x["rows_per_s"] for x in results if (x["batch"], x["ids"]) ==
                                                  (r["batch"], r["ids"]) and x["backend"] == f"raw x{threads}")
         copy = limits["memcpy_1_thread"] if r["backend"].endswith("x1") else limits["memcpy_torch"]

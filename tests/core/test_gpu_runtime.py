@@ -258,7 +258,7 @@ def test_host_store_device_address_reaches_the_hip_launch(fake_hip, tmp_path):
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     r = json.loads(lines[0][len("RESULT "):])
     assert r["runtime_path"] == str(fake_hip)
-    assert r["access"] == [True, False, False]  # mapped, not the same address, no read-only flag
+    assert r["access"] == [True, False, False, False]  # mapped, not the same address, no read-only flag, hash order
     page = os.sysconf("SC_PAGE_SIZE")
     calls, ptr, nbytes, flags, device = r["register"]
     first = r["map_address"] + lo * ROW_BYTES  # the shard inside the whole-layer mapping

@@ -162,3 +162,62 @@ def test_host_store_refuses_a_device_that_reads_no_host_memory(monkeypatch, tmp_
     with pytest.raises(EngramError, match=r"^placement host: NVIDIA something .* cannot read registered host memory") as e:
         HostStore(0, tmp_path / "layer-0.rows", 100, (0, 100), torch.device("cuda", 0), "cuda")
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ ROCm: registration in pieces
+GIB = 1 << 30
+
+
+def test_hip_registers_a_rank_range_in_pieces_of_at_most_1_gib_mapped_as_one():
+    """Issue 23, finding 3 (ROCm): multi-GiB hipHostRegister calls are documented to fail or
+    stall; a 2.5 GiB range is registered in three page-aligned pieces of <= 1 GiB that cover it
+    exactly, read as one device range, and all unregistered. (Proven with the recording fake.)"""
+    rt = FakeRuntime("hip", read_only=0)
+    address, nbytes = 100 * PAGE + 264, int(2.5 * GIB)
+    reg = hostmem.register_with_gpu(address, nbytes, device=1, runtime=rt, portable=False)
+    calls = rt.of("register")
+    assert len(calls) == 3 and all(c[2] <= GIB and c[1] % PAGE == 0 and c[4] == 1 for c in calls)
+    assert [c[1] for c in calls[1:]] == [c[1] + c[2] for c in calls[:-1]]  # back to back
+    start, end = calls[0][1], calls[-1][1] + calls[-1][2]
+    assert start <= address and end >= address + nbytes and end - (address + nbytes) < PAGE
+    assert reg.device_pointer(address + GIB + 8) == address + GIB + 8 + rt.offset
+    assert reg.pieces == tuple(c[1] for c in calls)
+    hostmem.unregister_from_gpu(reg)
+    assert [u[1] for u in rt.of("unregister")] == [c[1] for c in calls]
+
+
+def test_cuda_registers_the_range_at_once():
+    rt = FakeRuntime("cuda")
+    reg = hostmem.register_with_gpu(0, 3 * GIB, device=0, runtime=rt, portable=False)
+    assert len(rt.of("register")) == 1 and reg.pieces == ()
+    hostmem.unregister_from_gpu(reg)
+    assert len(rt.of("unregister")) == 1
+
+
+class ApartRuntime(FakeRuntime):
+    """Maps each registered piece at its own, non-contiguous device address."""
+
+    def host_device_pointer(self, address):
+        self.calls.append(("pointer", address, self.device))
+        return address + self.offset + len(self.of("pointer")) * GIB
+
+
+def test_hip_pieces_mapped_apart_are_refused_and_unregistered():
+    rt = ApartRuntime("hip", read_only=0)
+    with pytest.raises(EngramError, match=r"mapped the 3 registered pieces of 2\.50 GiB at non-contiguous device "
+                                          r"addresses \(piece 2 at .*\): choose placement device or disk$"):
+        hostmem.register_with_gpu(0, int(2.5 * GIB), device=0, runtime=rt, portable=False)
+    assert [u[1] for u in rt.of("unregister")] == [c[1] for c in rt.of("register")] and len(rt.of("register")) == 2
+
+
+class FailsSecond(FakeRuntime):
+    def host_register(self, address, nbytes, flags):
+        super().host_register(address, nbytes, flags)
+        return 2 if len(self.of("register")) == 2 else 0
+
+
+def test_hip_a_failed_piece_names_it_and_releases_the_pieces_before():
+    rt = FailsSecond("hip", read_only=0)
+    with pytest.raises(EngramError, match=r"failed \(error 2 at piece 2 of 3\); the locked-memory limit"):
+        hostmem.register_with_gpu(0, int(2.5 * GIB), device=0, runtime=rt, portable=False)
+    assert [u[1] for u in rt.of("unregister")] == [rt.of("register")[0][1]]

@@ -226,7 +226,9 @@ class HostStore(WholeTableStore):
     def describe(self) -> str:
         layout = f"shared {self.memory.shm_path}" if self.shared else "private"
         return (f"{super().describe()}, {layout} host memory, {self.pages_text()}, {self.binding.describe()}, "
-                f"registered {self.memory.registered}")
+                f"registered {self.memory.registered}"
+                + (", rows read in address order (the GPU maps host memory in its own page tables: no ATS)"
+                   if self.sorted_reads else ""))
 
     def close(self) -> None:
         super().close()

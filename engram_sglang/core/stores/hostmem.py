@@ -194,6 +194,7 @@ class Registration:
     device_address: int
     runtime: object = field(repr=False, compare=False)
     address_ordered: bool = False  # gpu_runtime.HostAccess.address_ordered of `device`
+    pieces: tuple[int, ...] = ()  # start of each registration call, where the range took several
 
     def device_pointer(self, host_address: int) -> int:
         """The device address of `host_address`, which must lie inside the registered range."""
@@ -207,6 +208,20 @@ def page_range(address: int, nbytes: int, page: int = mmap.PAGESIZE) -> tuple[in
     start = address // page * page
     end = -(-(address + nbytes) // page) * page
     return start, end - start
+
+
+# Largest single registration per vendor (None: the whole range at once). ROCm documents that
+# multi-GiB hipHostRegister calls can fail or stall (rocm-systems issue 11670): a rank's range
+# is registered in pieces of at most 1 GiB there, which must map to one contiguous device range.
+REGISTER_PIECE_BYTES = {gpu_runtime.CUDA: None, gpu_runtime.HIP: 1 << 30}
+
+
+def registration_pieces(start: int, length: int, piece: Optional[int]) -> list[tuple[int, int]]:
+    """[(start, length)] covering [start, start + length) in page-aligned pieces of <= `piece`."""
+    if not piece or length <= piece:
+        return [(start, length)]
+    piece = max(mmap.PAGESIZE, piece // mmap.PAGESIZE * mmap.PAGESIZE)
+    return [(a, min(piece, start + length - a)) for a in range(start, start + length, piece)]
 
 
 def registration_flags(access, portable: bool) -> int:
@@ -262,25 +277,45 @@ def register_with_gpu(address: int, nbytes: int, *, device: int, runtime=None,
             raise EngramError(f"placement host: {runtime.vendor} device {device} cannot map host memory into its "
                               f"address space (can_map_host_memory = 0): choose placement device or disk")
         flags = registration_flags(access, portable)
-        code = runtime.host_register(start, length, flags)
-        if code != 0:
-            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
-            raise EngramError(
-                f"registering {length / 2**30:.2f} GiB of host table memory with the GPU failed (error {code}); "
-                f"the locked-memory limit (ulimit -l) is {limit}: raise it (docker run --ulimit memlock=-1) "
-                f"or choose placement device or disk"
-            )
+        pieces = registration_pieces(start, length, REGISTER_PIECE_BYTES.get(runtime.vendor))
+        done: list[int] = []
         try:
-            device_address = runtime.host_device_pointer(start)
-        except gpu_runtime.GpuRuntimeError as e:
-            runtime.host_unregister(start)
-            raise EngramError(f"placement host: {runtime.vendor} device {device} gives no device address for "
-                              f"registered host memory ({e}): choose placement device or disk") from None
-    return Registration(start, length, device, flags, device_address, runtime, access.address_ordered)
+            device_address = None
+            for piece_start, piece_length in pieces:
+                code = runtime.host_register(piece_start, piece_length, flags)
+                if code != 0:
+                    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+                    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**30:.2f} GiB"
+                    raise EngramError(
+                        f"registering {length / 2**30:.2f} GiB of host table memory with the GPU failed (error {code}"
+                        f"{f' at piece {len(done) + 1} of {len(pieces)}' if len(pieces) > 1 else ''}); the locked-"
+                        f"memory limit (ulimit -l) is {limit}: raise it (docker run --ulimit memlock=-1) or choose "
+                        f"placement device or disk")
+                done.append(piece_start)
+                try:
+                    mapped = runtime.host_device_pointer(piece_start)
+                except gpu_runtime.GpuRuntimeError as e:
+                    raise EngramError(f"placement host: {runtime.vendor} device {device} gives no device address "
+                                      f"for registered host memory ({e}): choose placement device or disk") from None
+                if device_address is None:
+                    device_address = mapped
+                elif mapped != device_address + (piece_start - start):
+                    # The kernel reads the rank's rows as one array: pieces mapped apart cannot serve.
+                    raise EngramError(
+                        f"placement host: {runtime.vendor} device {device} mapped the {len(pieces)} registered pieces "
+                        f"of {length / 2**30:.2f} GiB at non-contiguous device addresses (piece {len(done)} at "
+                        f"{mapped:#x}, expected {device_address + (piece_start - start):#x}): choose placement "
+                        f"device or disk")
+        except BaseException:
+            for piece_start in done:
+                runtime.host_unregister(piece_start)
+            raise
+    return Registration(start, length, device, flags, device_address, runtime, access.address_ordered,
+                        tuple(done) if len(done) > 1 else ())
 
 
 def unregister_from_gpu(registration: Registration) -> None:
     runtime = registration.runtime
     with runtime.device_guard(registration.device):
-        runtime.host_unregister(registration.address)
+        for piece_start in registration.pieces or (registration.address,):
+            runtime.host_unregister(piece_start)
