@@ -47,6 +47,10 @@ class Placement:
         rank needs another's rows and no all-reduce is needed; (): each rank holds a shard.
     cache_in_front : a hot-row cache in device memory may sit in front of it.
     what : one line for help texts.
+    whole_from_files : a rank that opens the whole layer reads its rows from the table files
+        and holds no copy of them (only its caches): under attention data/context parallelism,
+        where the TP ranks look up different tokens, each rank then reads the whole rows of its
+        own tokens with no collective.
     """
 
     name: str
@@ -57,6 +61,7 @@ class Placement:
     whole_rows_with: tuple[str, ...]
     cache_in_front: bool
     what: str
+    whole_from_files: bool = False
 
     def __post_init__(self):
         if self.capturable and self.ids_visit_host:  # a replay re-runs kernels, never host reads
@@ -96,7 +101,8 @@ PLACEMENT_TABLE: dict[str, Placement] = {p.name: p for p in (
                PlacementOption("native_step", "disk-native-step", default=True),
                PlacementOption("dram_cache_bytes", "disk-dram-cache-mib", scale=1 << 20, only_when_set=True)),
               ids_visit_host=True, capturable=False, whole_rows_with=(), cache_in_front=True,
-              what="the table files, read on the host per step (each rank reads its row shard)"),
+              what="the table files, read on the host per step (each rank reads its row shard)",
+              whole_from_files=True),
 )}
 
 # The placement names, in the table's order.

@@ -29,10 +29,11 @@ refused in one line (`staged_graphs_refusal`), an Engram layer in the late-layer
 Parallelism: under plain tensor parallelism a rank holds a shard of every table and the
 runtime all-reduces the rows (or reads whole rows where the placement's node copy allows it).
 Under attention data or context parallelism the ranks of the TP group hold different tokens,
-so a sum over them would mix requests: those ranks read whole rows from the node's one shared
-host copy (`--engram-placement host --engram-host-shared on`) with no collective; any other
-placement is refused at start-up (upstream exchanges the ids of every attention-DP rank per
-layer instead, which this plugin does not do).
+so a sum over them would mix requests: those ranks read whole rows with no collective, from
+the node's one shared host copy (`--engram-placement host --engram-host-shared on`) or from the
+table files (`--engram-placement disk`, each rank its own DRAM cache); device and private host
+copies are refused at start-up (upstream exchanges the ids of every attention-DP rank per layer
+instead, which this plugin does not do).
 """
 
 from __future__ import annotations

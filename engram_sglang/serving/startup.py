@@ -151,7 +151,11 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
                      staged=runtime.staged is not None, modes=modes_in_use(settings))
     if not whole_rows:
         return
-    private = sorted(L for L, s in runtime.stores.items() if not s.node_shared)
+    from ..core.placement_table import placement
+
+    # A disk store holds no copy: reading whole rows costs it only its caches.
+    private = sorted(L for L, s in runtime.stores.items()
+                     if not s.node_shared and not placement(s.placement).whole_from_files)
     if private:
         # Each rank would keep a whole private copy: TP x the tables in anonymous memory.
         raise EngramError(
@@ -198,12 +202,15 @@ def rank_rows(settings, parallel) -> tuple[int, int]:
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return parallel.tp_rank, parallel.tp_size
-    # --engram-host-whole-rows auto counts as on here: the one layout these ranks can serve.
-    if placement(settings.placement).rows_held(settings.store_options()) != WHOLE:
+    spec = placement(settings.placement)
+    # --engram-host-whole-rows auto counts as on here: the one host layout these ranks can
+    # serve. The disk tier opens the whole layer per rank: it reads the files, holding no copy.
+    if not spec.whole_from_files and spec.rows_held(settings.store_options()) != WHOLE:
         raise EngramError(
             f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
             f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
             f"use --engram-placement host --engram-host-shared on --engram-host-whole-rows on (one copy per node, no "
-            f"collective); placement {settings.placement} with these options shards rows over ranks, which would need "
-            f"every rank's ids per layer (not supported)")
+            f"collective) or --engram-placement disk (each rank reads its tokens' rows from the files); placement "
+            f"{settings.placement} with these options shards rows over ranks, which would need every rank's ids per "
+            f"layer (not supported)")
     return 0, 1

@@ -492,11 +492,12 @@ def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel,
 
 @pytest.mark.parametrize("placement, options", [
     ("host", {"host_shared": True}), ("host", {}), ("host", {"host_shared": True, "host_whole_rows": False}),
-    ("device", {}), ("disk", {})])
-def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_path, placement, options):
+    ("device", {}), ("disk", {}), ("disk", {"disk_dram_cache_mib": 1})])
+def test_dsv4_attn_dp_reads_whole_rows_or_is_refused(table, tmp_path, placement, options):
     """Under attention DP the TP ranks hold different tokens: with the node's shared host copy
-    every rank reads whole rows (no all-reduce); a placement that shards rows is refused with
-    the reason, before anything is opened."""
+    every rank reads whole rows (no all-reduce), and so does the disk tier (each rank opens the
+    whole layer: it reads the files and holds no copy, only its DRAM cache); a placement that
+    shards rows is refused with the reason, before anything is opened."""
     from sglang.srt.runtime_context import get_parallel
 
     from engram_sglang.core.errors import EngramError
@@ -504,7 +505,7 @@ def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_pa
     from engram_sglang.serving.settings import ServeSettings
 
     table_dir, packed, layout = table
-    shared = options.get("host_shared") and options.get("host_whole_rows", True)
+    shared = options.get("host_shared") and options.get("host_whole_rows", True) or placement == "disk"
     if placement == "host":
         options = dict(options, shm_dir=str(tmp_path))
     settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
@@ -517,6 +518,7 @@ def test_attention_data_parallelism_reads_whole_rows_or_is_refused(table, tmp_pa
         runtime = process_runtime(settings=settings, device="cpu", parallel=par)
     try:
         assert (runtime.tp_rank, runtime.tp_size) == (0, 1)  # whole rows: no sum over ranks
+        assert not runtime.reduce_rows and all(s.row_range == (0, s.rows) for s in runtime.stores.values())
         ids = torch.randint(0, layout.rows(LAYER), (9, 6))
         got = runtime.rows(None, LAYER, ids)
         assert torch.equal(bf16_bits(got), expected(packed[LAYER], ids))

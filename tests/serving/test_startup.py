@@ -65,10 +65,20 @@ def test_the_deepseek_hook_starts_through_open_runtime(calls, tmp_path):
     # One runtime per process, upstream's hasher (no tokenizer), attention DP/CP ranks read whole rows.
     assert calls == [((settings,), dict(parallel=SERIAL, table_dir=model / DEFAULT_TABLE_DIR, model_path=str(model),
                                         device="cpu", attention_parallel=True, per_process=True))]
-    with pytest.raises(EngramError, match="start without it"):  # refused before anything opens
-        process_runtime(settings=ServeSettings(placement="disk", disk_graphs=True), model_path=str(model),
-                        parallel=SERIAL)
-    assert len(calls) == 1
+    # Staged disk graphs serve DeepSeek too (tests/models/test_dsv4_staged_graphs.py) ...
+    process_runtime(settings=ServeSettings(placement="disk", disk_graphs=True), model_path=str(model), parallel=SERIAL)
+    assert len(calls) == 2
+    # ... except what they do not cover, refused before anything opens.
+    import engram_sglang.models.deepseek_v4_hook as hook
+
+    real, hook.staged_graphs_refusal = hook.staged_graphs_refusal, lambda: "DSpark speculative decoding ..."
+    try:
+        with pytest.raises(EngramError, match="start without it"):
+            process_runtime(settings=ServeSettings(placement="disk", disk_graphs=True), model_path=str(model),
+                            parallel=SERIAL)
+    finally:
+        hook.staged_graphs_refusal = real
+    assert len(calls) == 2
 
 
 # ------------------------------------------------------------------ what it does
