@@ -151,6 +151,19 @@ def test_promtool_accepts_the_rules():
 
 
 @needs_promtool
+def test_promtool_parses_every_panel_query(tmp_path):
+    """The dashboard's queries, its variables filled in, as recording rules: promtool parses
+    each one's PromQL."""
+    filled = [e.replace("$__rate_interval", "5m").replace('=~"$', '=~"x') for e in dashboard_exprs()]
+    assert not any("$" in e for e in filled), [e for e in filled if "$" in e]
+    rules = tmp_path / "panels.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": [
+        {"record": f"engram:panel_{i}", "expr": e} for i, e in enumerate(filled)]}]}))
+    out = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_promtool
 @pytest.mark.parametrize("alert, series, at, fires", CASES, ids=[f"{c[0]}-{'fires' if c[3] else 'quiet'}" for c in CASES])
 def test_promtool_fires_the_alert_at_its_threshold(tmp_path, alert, series, at, fires):
     rule = next(r for r in alert_rules() if r["alert"] == alert)
