@@ -9,12 +9,14 @@ SGLANG_VERSION=0.5.23
 
 # Debian packages the Python ones need at run time: Mooncake's transfer engine (PD
 # disaggregation, requirements/sglang-cpu.txt) links libibverbs; the PD and multi-node tests
-# put their servers into network namespaces with iproute2's `ip`. As scripts/setup-toolchain.sh:
+# put their servers into network namespaces with iproute2's `ip`; the alert rules' test
+# (tests/test_monitoring.py) runs prometheus's `promtool`. As scripts/setup-toolchain.sh:
 # apt only when one is missing, and only as root (else one line saying what to install).
 debs=()
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
     || debs+=(libibverbs1)
 command -v ip >/dev/null 2>&1 || debs+=(iproute2)
+command -v promtool >/dev/null 2>&1 || debs+=(prometheus)
 if [ ${#debs[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "setup: missing Debian packages ${debs[*]}; run as root (or: sudo apt-get install ${debs[*]})" >&2

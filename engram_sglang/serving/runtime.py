@@ -24,12 +24,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import __version__
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
 from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
+from ..core.stores.metrics import METRICS, RANKS
 from . import pd
 from .identity import agree_over_tp_group, serving_identity
 from .modes import SLOTS
@@ -195,9 +197,14 @@ class EngramRuntime:
         # checked before any store opens (serving/identity.py).
         self.identity = serving_identity(table_dir, settings)
         agree_over_tp_group(self.identity, self.rank_labels["node_rank"])
+        ranks = {name: self.rank_labels[name] for name in RANKS}  # every Prometheus series carries them
         self.stores = open_store(table_dir, settings.placement, self.device, cfg=cfg, tp_rank=tp_rank,
-                                 tp_size=tp_size, backend=settings.backend, agree=agree_over_tp,
+                                 tp_size=tp_size, backend=settings.backend, agree=agree_over_tp, ranks=ranks,
                                  **settings.store_options())
+        # This rank's step series (read faults at 0 from now on) and its version and tables.
+        self._metric_key = (settings.placement, *(str(ranks[name]) for name in RANKS))
+        self._faults_metric, self._wait_metric = METRICS.step(self._metric_key)
+        METRICS.build_info(self._metric_key, __version__, self.identity["tables"], cfg.fingerprint())
         # Rows are summed over the TP ranks only where some store holds a shard: with one host
         # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
         self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
@@ -461,6 +468,8 @@ class EngramRuntime:
             self._wait_seconds += step.wait_seconds
             self._layer_seconds += layer_seconds
             self._layer_calls += layer_calls
+        if step.hash_ids.shape[0]:  # (an idle DP rank's empty steps wait for nothing)
+            self._wait_metric.observe(step.wait_seconds)
         if self._trace is not None and self.tp_rank == 0 and step.hash_ids.shape[0]:
             self._trace.write(step, self.cfg.layer_ids)
 
@@ -511,6 +520,7 @@ class EngramRuntime:
             for slot in slots:
                 self._failed.setdefault(int(slot), message)
             self._faults += 1
+        self._faults_metric.inc()
         logger.error("engram-sglang: %s; failing the %d request(s) that needed those rows, serving the rest",
                      message, len(slots))
         return rows
@@ -544,9 +554,11 @@ class EngramRuntime:
             steps = max(self._steps, 1)
             out = {
                 **self.rank_labels,  # tp/dp/pp rank and size, attn_dp_rank, attn_cp_rank (serving/ranks.py)
+                "engram_version": __version__,
                 "placement": self.settings.placement,
                 "table_dir": str(self.table_dir),
                 "table_identity": self.identity["tables"],  # agreed by every TP rank (serving/identity.py)
+                "table_fingerprint": self.cfg.fingerprint(),  # the Engram config they are for (manifest)
                 "prefetch": self.settings.prefetch,
                 "rows_all_reduced": self.reduce_rows,  # False: every rank reads whole rows (or TP 1)
                 "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)

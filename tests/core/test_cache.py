@@ -477,7 +477,7 @@ def test_metrics_report_hits(tables, rng):
     table_dir, _ = tables
     stores = open_cached(table_dir, "host", maintain_every=1)
     cache = stores[LAYER]
-    lab = {"layer": str(LAYER), "placement": "host"}
+    lab = {"layer": str(LAYER), "placement": "host", "tp_rank": "0", "dp_rank": "0", "pp_rank": "0"}
 
     def value(name):
         return REGISTRY.get_sample_value(name, lab) or 0.0

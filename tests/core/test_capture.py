@@ -201,7 +201,7 @@ def test_replays_are_maintained_between_steps_and_counted(tables, monkeypatch):
     table_dir, rows = tables
     stores = opened(table_dir, "host", cache_bytes=96 << 10, maintain_every=4)
     cache = stores[LAYER]
-    lab = {"layer": str(LAYER), "placement": "host"}
+    lab = {"layer": str(LAYER), "placement": "host", "tp_rank": "0", "dp_rank": "0", "pp_rank": "0"}
     gen = torch.Generator().manual_seed(5)
     universe = torch.randperm(ROWS, generator=gen)
     try:

@@ -107,6 +107,16 @@ class Run:
         return [json.loads(line) for line in self.trace.read_text().splitlines()]
 
 
+def engram_samples(server) -> list:
+    """The engram_* samples of the server's /metrics (served with `--enable-metrics`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("engram_")]
+
+
 def bad_id_requests(run: Run) -> list[tuple[int, str]]:
     """Requests holding a token id outside the model's vocabulary (issue 22, item 1): -1 and
     the vocabulary size by /generate, one by /v1/completions. (HTTP status, error message) each."""
@@ -164,11 +174,14 @@ def host_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def disk_run(tmp_path_factory):
     """Disk placement read by O_DIRECT behind a DRAM row cache, prefill in chunks of 32
-    tokens: each chunked prompt's next chunk is read ahead into that cache."""
-    with Run(tmp_path_factory, "disk", args=("--chunked-prefill-size", "32"), placement="disk", disk_direct="on",
-             disk_dram_cache_mib=1) as run:
+    tokens: each chunked prompt's next chunk is read ahead into that cache. With SGLang's
+    metrics on: /metrics scraped once it is up and after the requests."""
+    with Run(tmp_path_factory, "disk", args=("--chunked-prefill-size", "32", "--enable-metrics"), placement="disk",
+             disk_direct="on", disk_dram_cache_mib=1) as run:
+        run.results["metrics_at_start"] = engram_samples(run.server)
         run.results["sequential"] = run.complete(MIXED, MIXED_NEW)
         run.results["stats"] = run.server.engram_stats()
+        run.results["metrics"] = engram_samples(run.server)
     run.results["trace"] = run.check_trace()
     return run.results
 
@@ -199,6 +212,43 @@ def test_disk_tier_reads_the_next_prefill_chunk_ahead_into_its_dram_cache(disk_r
     tables = disk_run["stats"]["tables"]
     assert all(t["read_ahead_rows"] > 0 for t in tables), tables
     assert all(t["dram_cache_hits"] > 0 and t["direct"] for t in tables), tables
+
+
+def test_metrics_name_their_rank_and_count_from_start_up(disk_run):
+    """A real scrape of SGLang's /metrics (its multiprocess collector): every engram_* series
+    names its tp/dp/pp rank and none a `pid`; the error, read-fault and DRAM-cache counters
+    are there (errors at 0) before any request; the DRAM cache's hits, the step wait and the
+    version and tables are series that agree with /server_info."""
+    import engram_sglang
+
+    start, end, stats = disk_run["metrics_at_start"], disk_run["metrics"], disk_run["stats"]
+    for samples in (start, end):
+        assert samples
+        for s in samples:
+            assert {"tp_rank": "0", "dp_rank": "0", "pp_rank": "0"}.items() <= s.labels.items(), s
+            assert "pid" not in s.labels, s
+    layers = sorted(str(t["layer_id"]) for t in stats["tables"])
+
+    def values(samples, name, **labels):
+        return {s.labels.get("layer"): s.value for s in samples
+                if s.name == name and labels.items() <= s.labels.items()}
+
+    assert values(start, "engram_read_faults_total", placement="disk") == {None: 0.0}
+    assert values(start, "engram_read_errors_total") == {L: 0.0 for L in layers}
+    assert sorted(values(start, "engram_dram_cache_lookups_total")) == layers
+    assert sorted(values(start, "engram_dram_cache_hits_total")) == layers
+    # Published between steps (every 8th): at most what /server_info says, and not nothing.
+    hits = values(end, "engram_dram_cache_hits_total")
+    for t in stats["tables"]:
+        assert 0 < hits[str(t["layer_id"])] <= t["dram_cache_hits"], (hits, t)
+    steps = values(end, "engram_step_wait_seconds_count", placement="disk")[None]
+    assert 0 < steps <= stats["steps"], (steps, stats["steps"])
+    info = [s for s in end if s.name == "engram_build_info"]
+    assert len(info) == 1 and info[0].value == 1, info
+    assert info[0].labels["version"] == stats["engram_version"] == engram_sglang.__version__
+    assert info[0].labels["table_identity"] == stats["table_identity"]
+    assert info[0].labels["table_fingerprint"] == stats["table_fingerprint"]
+    assert stats["table_fingerprint"] == json.loads((table_dir() / "manifest.json").read_text())["config_fingerprint"]
 
 
 @pytest.mark.parametrize("run", ["device_run", "host_run", "disk_run"])

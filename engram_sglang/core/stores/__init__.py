@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -17,7 +17,7 @@ from ..tablefile import open_tables
 from . import rowio
 from .base import Prefetch, TableIOError, TableStore, column_shards, ranges_rows, shard_range, split_by_rows
 from .cache import HotRowCache, wrap_stores
-from .metrics import METRICS
+from .metrics import METRICS, rank_values
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def open_store(
     cache_options: Optional[dict] = None,
     agree: Optional[Callable[[bool], bool]] = None,
     shards: str = "contiguous",
+    ranks: Optional[Mapping[str, int]] = None,
     **options,
 ) -> dict[int, TableStore]:
     """Open every layer of a table directory in one placement: layer id -> TableStore.
@@ -60,6 +61,8 @@ def open_store(
         a step, bench/shard_balance.py). Balanced shards are served by the device placement;
         host and disk take contiguous ones.
     backend : gather backend ("auto" lets the device probe choose).
+    ranks : the `tp_rank`, `dp_rank`, `pp_rank` labels of the stores' Prometheus series
+        (the runtime passes SGLang's ranks); by default `tp_rank` above, DP and PP rank 0.
     cache_bytes : device bytes (all layers of this rank) of a hot-row cache in front of a
         host or disk placement; 0 for none. `cache_profile` pre-warms it from an
         `engram-sglang profile` file; `cache_options`: ways, maintain_every, sample_factor,
@@ -91,6 +94,7 @@ def open_store(
                           f"shards=contiguous")
     whole = spec.rows_held(options) == WHOLE and (tp_size == 1 or agree is not None)
     store_class = spec.store_class()
+    metric_ranks = rank_values(ranks, tp_rank)
     tables = open_tables(table_dir, cfg)
     METRICS.get()  # the stores' Prometheus collectors register here, once per process
     held = rank_ranges(tables, cfg, tp_rank, tp_size, shards)
@@ -106,7 +110,8 @@ def open_store(
                 options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]))
             if "whole_rows" in spec.option_names:
                 options["whole_rows"] = whole
-            store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend, **options)
+            store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend,
+                                metric_ranks=metric_ranks, **options)
             stores[layer_id] = store
         agreed = tp_size == 1 and whole
         if tp_size > 1 and agree is not None:
@@ -129,6 +134,8 @@ def open_store(
     if tp_size > 1:
         for store in stores.values():
             store.agreed_whole = bool(agreed)
+    for store in stores.values():
+        METRICS.opened(store)  # its counters at 0 from now on
     if cache_bytes:
         stores = wrap_stores(stores, cache_bytes, profile=cache_profile, fingerprint=tables.fingerprint,
                              **(cache_options or {}))

@@ -198,8 +198,15 @@ class TableStore(ABC):
         if "placement" in vars(cls):  # a placement's own class: what the table says of it
             cls.needs_host_ids = placement_spec(cls.placement).ids_visit_host
 
-    def __init__(self, layer_id: int, path, rows: int, row_range: tuple[int, int], device: torch.device, backend: str):
+    # The rank labels of this store's Prometheus series (metrics.RANKS values; open_store
+    # passes the runtime's ranks).
+    metric_ranks: tuple[str, ...] = ("0", "0", "0")
+
+    def __init__(self, layer_id: int, path, rows: int, row_range: tuple[int, int], device: torch.device, backend: str,
+                 *, metric_ranks: Optional[tuple[str, ...]] = None):
         self.layer_id, self.path, self.rows = layer_id, path, rows
+        if metric_ranks is not None:
+            self.metric_ranks = tuple(metric_ranks)
         self.row_range = row_range
         self.device = torch.device(device)
         from ..ops import probe

@@ -75,7 +75,8 @@ class HotRowCache(TableStore):
                  maintain_every: int = maintenance.DEFAULT_EVERY,
                  profile: Optional[str | os.PathLike] = None, fingerprint: Optional[str] = None,
                  sample_factor: float = 100.0, sketch_depth: int = 4):
-        super().__init__(inner.layer_id, inner.path, inner.rows, inner.row_range, inner.device, inner.backend)
+        super().__init__(inner.layer_id, inner.path, inner.rows, inner.row_range, inner.device, inner.backend,
+                         metric_ranks=inner.metric_ranks)
         self.agreed_whole = inner.agreed_whole
         self.inner = inner
         self.placement = inner.placement

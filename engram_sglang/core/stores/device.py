@@ -24,17 +24,18 @@ class DeviceStore(WholeTableStore):
     # The table as the op reads it is `table` itself (see HostStore.table_address).
     table_address: Optional[int] = None
 
-    def __init__(self, layer_id, path, rows, row_range, device, backend):
+    def __init__(self, layer_id, path, rows, row_range, device, backend, *, metric_ranks=None):
         """`row_range`: one (lo, hi), or a list of ranges (`column_shards`), held one after another."""
         ranges = [tuple(row_range)] if row_range and isinstance(row_range[0], int) else [tuple(r) for r in row_range]
         if len(ranges) == 1:
-            super().__init__(layer_id, path, rows, ranges[0], device, backend)
+            super().__init__(layer_id, path, rows, ranges[0], device, backend, metric_ranks=metric_ranks)
             lo, hi = ranges[0]
             self.table = _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, torch.device(self.device))
             return
         shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard")
         # row_range: the span of the ranges (what holds between them belongs to other ranks)
-        super().__init__(layer_id, path, rows, (ranges[0][0], ranges[-1][1]) if ranges else (0, 0), device, backend)
+        super().__init__(layer_id, path, rows, (ranges[0][0], ranges[-1][1]) if ranges else (0, 0), device, backend,
+                         metric_ranks=metric_ranks)
         self.shard = shard
         self.table = torch.empty((shard.held, ROW_BYTES), dtype=torch.uint8, device=self.device)
         at = 0

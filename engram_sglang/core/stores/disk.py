@@ -65,8 +65,8 @@ class DiskStore(TableStore):
     placement = "disk"  # (its ids visit the host: needs_host_ids, from the placement table)
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, threads: int = 64, direct: bool = False,
-                 retries: int = READ_RETRIES, dram_cache_bytes: int = 0, native_step: bool = True):
-        super().__init__(layer_id, path, rows, row_range, device, backend)
+                 retries: int = READ_RETRIES, dram_cache_bytes: int = 0, native_step: bool = True, metric_ranks=None):
+        super().__init__(layer_id, path, rows, row_range, device, backend, metric_ranks=metric_ranks)
         if threads < 1:
             raise EngramError(f"disk store: threads must be >= 1, got {threads}")
         if dram_cache_bytes < 0:
@@ -74,6 +74,7 @@ class DiskStore(TableStore):
         lo, hi = row_range
         self.dram = DramRowCache(dram_cache_bytes, max_rows=hi - lo) if dram_cache_bytes else None
         self._file_rows = 0  # rows read from the file (cache misses), all calls
+        self._published_dram = (0, 0)  # DRAM-cache lookups and hits already in the Prometheus counters
         self._ahead: Optional[ThreadPoolExecutor] = None  # read-ahead
         self._io: Optional[ThreadPoolExecutor] = None  # a call's misses, read while its hits are copied
         self._admitter: Optional[ThreadPoolExecutor] = None
@@ -116,6 +117,15 @@ class DiskStore(TableStore):
         if self.dram is not None:
             s.update(self.dram.stats())
         return s
+
+    def maintain(self) -> int:
+        """Between steps: the DRAM row cache's lookups and hits since the last call go to the
+        Prometheus counters (the native step counts them in the cache's state)."""
+        if self.dram is not None:
+            lookups, hits = self.dram.lookups, self.dram.hits
+            METRICS.dram(self, lookups - self._published_dram[0], hits - self._published_dram[1])
+            self._published_dram = (lookups, hits)
+        return super().maintain()
 
     def _gather(self, ids, out):
         # The ids visit the host once per call: the reads need them there (on a GPU,

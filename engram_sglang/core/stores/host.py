@@ -46,8 +46,9 @@ class HostStore(WholeTableStore):
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, shared: bool | str = False,
                  shm_dir: str | os.PathLike = "/dev/shm", huge_pages: bool = True, keep: bool = False,
-                 checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False, numa: str = "auto"):
-        super().__init__(layer_id, path, rows, row_range, device, backend)
+                 checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False, numa: str = "auto",
+                 metric_ranks=None):
+        super().__init__(layer_id, path, rows, row_range, device, backend, metric_ranks=metric_ranks)
         lo, hi = row_range
         if self.device.type == "cuda":
             # Before the table is read into memory: a device that can read registered host
