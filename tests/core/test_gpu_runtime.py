@@ -186,7 +186,7 @@ from engram_sglang.core.stores.host import HostStore
 
 # The base class keeps device-side counters, which need a real GPU: only what HostStore does
 # with host memory and the runtime is under test here.
-def base_init(self, layer_id, path, rows, row_range, device, backend):
+def base_init(self, layer_id, path, rows, row_range, device, backend, metric_ranks=None):
     self.layer_id, self.path, self.rows, self.row_range = layer_id, path, rows, row_range
     self.device, self.backend = torch.device(device), backend
 

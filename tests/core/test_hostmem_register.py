@@ -151,7 +151,7 @@ def test_host_store_refuses_a_device_that_reads_no_host_memory(monkeypatch, tmp_
     from engram_sglang.core.stores import base
     from engram_sglang.core.stores.host import HostStore
 
-    def base_init(self, layer_id, path, rows, row_range, device, backend):  # no device counters (no GPU)
+    def base_init(self, layer_id, path, rows, row_range, device, backend, metric_ranks=None):  # no device counters (no GPU)
         self.layer_id, self.path, self.rows, self.row_range = layer_id, path, rows, row_range
         self.device, self.backend = torch.device(device), backend
 
