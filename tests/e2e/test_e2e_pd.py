@@ -23,6 +23,7 @@ refuses the transfer in one line (HTTP 400) and goes on serving.
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,7 +71,7 @@ def pd(tmp_path_factory):
             bootstrap = free_port()
             prefill = pd_server(demo_dir(), "prefill", engram={**engram, "trace": traces["prefill"]},
                                 bootstrap_port=bootstrap, log_path=work / "prefill.log",
-                                args=("--chunked-prefill-size", str(CHUNK)))
+                                args=("--chunked-prefill-size", str(CHUNK), "--enable-metrics"))
             decode = pd_server(demo_dir(), "decode", engram={**engram, "trace": traces["decode"]},
                                log_path=work / "decode.log")
             control = pd_server(demo_dir(), "decode", log_path=work / "control.log",
@@ -90,6 +91,7 @@ def pd(tmp_path_factory):
                         outs = [pool.submit(router.post, "/generate", body(p, m)) for p, m in zip(main, MODES)]
                         controls = [pool.submit(pd_generate, prefill, bootstrap, control, body(p)) for p in ctrl]
                         outs, controls = [f.result() for f in outs], [f.result() for f in controls]
+                    transfers = transfer_metrics(prefill)  # SGLang's own count of what its transfer moved
                     try:
                         # A control request's prompt: its prefill records equal that request's.
                         refused = str(pd_generate(prefill, bootstrap, stranger, body(ctrl[0])))
@@ -104,10 +106,27 @@ def pd(tmp_path_factory):
     except NoNamespace as e:
         pytest.skip(f"PD servers run in a network namespace of the test's own: {e}")
     return {"prompts": main, "outs": outs, "control_prompts": ctrl, "controls": controls,
-            "refused": refused, "stranger_health": stranger_health,
+            "refused": refused, "stranger_health": stranger_health, "transfers": transfers, "work": work,
             "steps": {k: trace_lines(v) for k, v in traces.items()},
             "logs": {k: (work / f"{k}.log").read_text(errors="replace")
                      for k in ("prefill", "decode", "control", "stranger")}}
+
+
+def transfer_metrics(server) -> dict:
+    """SGLang's `sglang:kv_transfer_total_mb` histogram on the prefill server (`--enable-metrics`):
+    the MiB each transferred request moved (its KV, plus every registered state component: our
+    conv inputs and identity rows), summed and counted over the server's label sets."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {"sum_mib": 0.0, "count": 0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("sglang:kv_transfer_total_mb_sum", "sglang:kv_transfer_total_mb_count"):
+            value = float(line.rsplit(" ", 1)[1])
+            out["sum_mib" if name.endswith("_sum") else "count"] += value
+    return out
 
 
 def reference_forwards(prompts_, outs, modes):
@@ -253,3 +272,31 @@ def test_pd_decode_of_other_engram_settings_refuses_the_transfer_in_one_line(pd)
     lines = [ln for ln in pd["logs"]["stranger"].splitlines() if "its transfer is refused" in ln]
     assert lines and all("ablation on) differs" in ln and "ablation off)" in ln for ln in lines), lines
     assert pd["stranger_health"], "the decode server of other settings answers /server_info after the refusal"
+
+
+def test_pd_transfer_metrics_count_the_kv_and_the_engram_state(pd):
+    """What SGLang's own transfer metrics (`sglang:kv_transfer_total_mb`, Mooncake's count:
+    KV indices x the KV item bytes + state indices x the sum of every state component's item
+    bytes) say the six requests moved, against what the prompts' KV and our two components come
+    to. SGLang prices every state index at conv + identity bytes and counts the identity row as
+    one more index per request; the bytes our components really add are written beside it
+    (pd_transfer.json, for `python -m bench.engram_traffic --measured`)."""
+    from engram_sglang.serving import pd as pd_mod
+
+    raw = json.loads((demo_dir() / "config.json").read_text())
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    kv_per_token = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    conv_per_token = len(raw["engram_layer_ids"]) * raw["hidden_size"] * 2  # one bf16 conv input per layer
+    sent = [len(p) for p in pd["prompts"]] + [len(p) for p in pd["control_prompts"]]
+    t = pd["transfers"]
+    assert t["count"] == len(sent)
+    measured = round(t["sum_mib"] * 2**20)
+    tokens = sum(sent)
+    assert measured == kv_per_token * tokens + (conv_per_token + pd_mod.IDENTITY_BYTES) * (tokens + len(sent))
+    ours = conv_per_token * tokens + pd_mod.IDENTITY_BYTES * len(sent)
+    out = {"requests": len(sent), "prompt_tokens": tokens, "sglang_transfer_bytes": measured,
+           "kv_bytes": kv_per_token * tokens, "engram_state_bytes": ours,
+           "engram_state_vs_kv": ours / (kv_per_token * tokens),
+           "how": "SGLang 0.5.23 sglang:kv_transfer_total_mb over a demo PD pair on the CPU (mooncake_tcp)"}
+    (pd["work"] / "pd_transfer.json").write_text(json.dumps(out, indent=1))
+    assert 0.4 < out["engram_state_vs_kv"] < 0.6  # the demo: 2 Engram layers' conv inputs vs 4 layers' K and V
