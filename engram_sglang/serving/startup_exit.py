@@ -16,7 +16,7 @@ For an EngramError the plugin instead
 
 The line travels in a 0600 file in the temporary directory named by both PIDs. A scheduler
 whose launcher is not SGLang's main process (a data-parallel controller) still exits quietly
-with status 2 after its line; that controller then ends the tree SGLang's way.
+with status 2 after its line; that controller may then end the tree SGLang's way.
 """
 
 from __future__ import annotations
