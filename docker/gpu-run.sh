@@ -5,9 +5,13 @@
 #
 # cuda: --gpus all. rocm: /dev/kfd and /dev/dri, plus the host's video and render group ids
 # (the devices belong to those host groups; the image's own group ids may differ).
-# Both: a /dev/shm large enough for a shared host table (Docker's default is 64 MiB; override
-# with ENGRAM_SHM_SIZE, e.g. the planner's `docker_shm_size`), and no limit on locked memory,
-# which registering a host table with the GPU runtime needs.
+# Both: a /dev/shm large enough for a shared host table (Docker's default is 64 MiB): half of
+# this host's memory, as the host's own /dev/shm gets, so DeepSeek-V4.1-Flash's 189 GiB copy
+# fits wherever the host can hold it and the cap never exceeds the memory there is (a larger one
+# would let a fill run the host out of memory instead of falling back); override with
+# ENGRAM_SHM_SIZE, e.g. the planner's `docker_shm_size`. No limit on locked memory, which
+# registering a host table with the GPU runtime needs, and CAP_SYS_NICE, without which Docker's
+# seccomp profile refuses the mbind that binds a copy to its NUMA node.
 set -euo pipefail
 
 usage() { echo "usage: $0 cuda|rocm [docker run options...] -- IMAGE [COMMAND...]" >&2; exit 2; }
@@ -32,5 +36,16 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
 [ $# -ge 2 ] || usage  # "--" and an image
 shift
 
-exec docker run "${gpu[@]}" --shm-size "${ENGRAM_SHM_SIZE:-32g}" --ulimit memlock=-1 \
+shm=${ENGRAM_SHM_SIZE:-}
+if [ -z "$shm" ]; then
+    mem_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null || true)
+    if [ -n "$mem_kib" ]; then
+        shm="$((mem_kib / 2 / 1048576))g"
+    else
+        shm=32g  # no /proc/meminfo (not Linux): set ENGRAM_SHM_SIZE for a shared copy
+    fi
+    echo "gpu-run.sh: --shm-size $shm (half of this host's memory; ENGRAM_SHM_SIZE overrides)" >&2
+fi
+
+exec docker run "${gpu[@]}" --shm-size "$shm" --ulimit memlock=-1 --cap-add SYS_NICE \
     "${opts[@]}" "$@"

@@ -233,3 +233,53 @@ def test_the_deepseek_deploy_page_cites_flags_and_commands_that_exist():
     bad = "engram-sglang tables convrt X --engram-placment host\n`engram-sglang plan --gpu H200 --no-such`"
     assert cited_cli_problems(bad) == ["--engram-placment: not a knob", "engram-sglang tables convrt: no such subcommand",
                                        "engram-sglang plan --no-such: no such option"]
+
+
+# ------------------------------------------------------------- curl examples (issue 25 item 7)
+
+
+def curl_problems(text: str, where: str) -> list[str]:
+    """Each `curl` command in a page's ```bash blocks that sends a body must say it is JSON
+    (SGLang parses the body by its content type) and send JSON that parses."""
+    import json
+    import shlex
+
+    problems = []
+    for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+        lines, i = block.splitlines(), 0
+        while i < len(lines):
+            if not lines[i].lstrip().startswith("curl "):
+                i += 1
+                continue
+            cmd = lines[i]
+            while i + 1 < len(lines) and (cmd.endswith("\\") or cmd.count("'") % 2):  # continued
+                i += 1
+                cmd = cmd.rstrip("\\") + "\n" + lines[i]
+            i += 1
+            words = shlex.split(cmd.split("|")[0] if cmd.count("'") % 2 == 0 else cmd)
+            body = next((words[k + 1] for k, w in enumerate(words[:-1]) if w in ("-d", "--data", "--data-raw")), None)
+            if body is None:
+                continue
+            headers = [words[k + 1].lower().replace(" ", "") for k, w in enumerate(words[:-1]) if w in ("-H", "--header")]
+            if "content-type:application/json" not in headers:
+                problems.append(f"{where}: `{cmd.splitlines()[0]} ...` sends a body without "
+                                f"-H 'Content-Type: application/json'")
+            try:
+                json.loads(body)
+            except ValueError as e:
+                problems.append(f"{where}: `{cmd.splitlines()[0]} ...` sends a body that is not JSON ({e})")
+    return problems
+
+
+def test_curl_examples_send_json_with_its_content_type():
+    pages = [ROOT / "README.md", ROOT / "docker" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    problems = [p for page in pages for p in curl_problems(page.read_text(), str(page.relative_to(ROOT)))]
+    assert not problems, "\n".join(problems)
+    assert any("curl" in page.read_text() and " -d " in page.read_text() for page in pages)  # still checks one
+
+
+def test_a_curl_example_without_its_content_type_is_reported():
+    page = "```bash\ncurl -s localhost:30000/generate -d '{\"text\": \"a\",\n  \"sampling_params\": {}}'\n```\n"
+    assert [p.split(": ", 1)[1].split("` ")[1] for p in curl_problems(page, "x.md")] == [
+        "sends a body without -H 'Content-Type: application/json'"]
+    assert "is not JSON" in "".join(curl_problems(page.replace("{}}", "{}"), "x.md"))

@@ -222,7 +222,7 @@ def test_image_make_kernels(vendor, image_stamp):
 # ---------------------------------------------------------------------- health check
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
-        self.send_response(200 if self.path == "/health" else 503)
+        self.send_response(200 if self.path == "/health_generate" else 503)
         self.end_headers()
 
     def log_message(self, *args):
@@ -239,16 +239,58 @@ def test_healthcheck_script():
         return run([sys.executable, str(ROOT / "docker" / "healthcheck.py")], env=env)
 
     try:
-        ok = probe(f"http://127.0.0.1:{port}/health")
+        ok = probe(f"http://127.0.0.1:{port}/health_generate")
         assert ok.returncode == 0 and ok.stdout.startswith("healthy: ")
         loading = probe(f"http://127.0.0.1:{port}/loading")
         assert loading.returncode == 1 and "HTTP 503" in loading.stdout
     finally:
         server.shutdown()
         server.server_close()
-    down = probe(f"http://127.0.0.1:{port}/health")
+    down = probe(f"http://127.0.0.1:{port}/health_generate")
     assert down.returncode == 1 and down.stdout.startswith("unhealthy: ")
     assert down.stdout.count("\n") == 1
+
+
+def test_the_images_health_check_generates_a_token():
+    """/health answers from the HTTP process alone; /health_generate runs a token through the
+    scheduler and the tables (SGLang waits up to 20 s for it: the HEALTHCHECK timeout covers that)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "docker" / "healthcheck.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.DEFAULT_URL.endswith("/health_generate")
+    for vendor, path in DOCKERFILES.items():
+        text = path.read_text()
+        assert "ENGRAM_HEALTH_URL=http://127.0.0.1:30000/health_generate " in text, vendor
+        timeout = int(re.search(r"^HEALTHCHECK [^\n]*--timeout=(\d+)s", text, re.M).group(1))
+        assert timeout > 20, vendor
+
+
+def test_gpu_run_gives_room_for_a_shared_copy_and_sys_nice(tmp_path):
+    """docker/gpu-run.sh's docker run line, read from a stand-in `docker` on PATH that prints
+    its arguments (a real docker run needs a GPU and a daemon)."""
+    fake = tmp_path / "docker"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env.pop("ENGRAM_SHM_SIZE", None)
+
+    def args(vendor, extra_env=()):
+        r = run(["bash", str(ROOT / "docker" / "gpu-run.sh"), vendor, "-p", "1:1", "--", "img", "cmd"],
+                env={**env, **dict(extra_env)})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines(), r.stderr
+
+    mem_kib = int(re.search(r"^MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1))
+    for vendor in ("cuda", "rocm"):
+        got, err = args(vendor)
+        shm = got[got.index("--shm-size") + 1]
+        assert shm == f"{mem_kib // 2 // 1048576}g" and f"--shm-size {shm} (half of this host's memory" in err
+        assert ["--cap-add", "SYS_NICE"] == got[got.index("--cap-add"):][:2] and "memlock=-1" in got
+        assert got[-4:] == ["-p", "1:1", "img", "cmd"]  # the caller's options, then the image and command
+    got, err = args("cuda", {"ENGRAM_SHM_SIZE": "410g"})
+    assert got[got.index("--shm-size") + 1] == "410g" and err == ""
 
 
 def test_readme_documents_shm_for_shared_tables():
@@ -268,9 +310,39 @@ def test_image_install_check(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("check_install", ROOT / "docker" / "check-install.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setenv("ENGRAM_KERNELS_DIR", str(tmp_path))
+    kernels, site = tmp_path / "kernels", tmp_path / "site"
+    kernels.mkdir()
+    monkeypatch.setenv("ENGRAM_KERNELS_DIR", str(kernels))
     assert mod.main() == 1
-    assert capsys.readouterr().err.startswith(f"check-install: no native libraries in {tmp_path}")
-    (tmp_path / "libengram_cuda.so").write_bytes(b"")
+    assert capsys.readouterr().err.startswith(f"check-install: no native libraries in {kernels}")
+    (kernels / "libengram_cuda.so").write_bytes(b"")
+    # The CUDA stack is not installed here: named, with the pin pyproject.toml's [cuda] extra gives.
+    assert mod.main() == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "flashinfer-python is not installed (the [cuda] extra needs " \
+        "flashinfer-python==0.7.2)" in err and "sglang-kernel is not installed" in err, err
+    monkeypatch.syspath_prepend(str(site))  # installed distributions, as pip leaves their metadata
+
+    def installed(name, ver):
+        info = site / f"{name.replace('-', '_')}-{ver}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n")
+
+    installed("flashinfer-python", "0.6.0")
+    installed("sglang-kernel", "0.4.10")
+    assert mod.main() == 1
+    assert "flashinfer-python 0.6.0 is installed, the [cuda] extra needs flashinfer-python==0.7.2" in \
+        capsys.readouterr().err
+    for d in site.glob("flashinfer_python-*"):
+        shutil.rmtree(d)
+    installed("flashinfer-python", "0.7.2")
     assert mod.main() == 0
     assert "plugin engram_sglang.plugin:load, kernels libengram_cuda.so" in capsys.readouterr().out
+    # ROCm: pytorch-triton-rocm (its Triton), at least the [rocm] extra's floor.
+    (kernels / "libengram_cuda.so").unlink()
+    (kernels / "libengram_hip.so").write_bytes(b"")
+    assert mod.main() == 1
+    assert "pytorch-triton-rocm is not installed (the [rocm] extra needs pytorch-triton-rocm>=" in capsys.readouterr().err
+    installed("pytorch-triton-rocm", "3.8.0")
+    assert mod.main() == 0
+    assert "vendor stack [rocm] as pyproject.toml pins it" in capsys.readouterr().out

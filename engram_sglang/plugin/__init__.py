@@ -25,6 +25,9 @@ What it installs (one hooks module each):
 * around each batch, in one order: its Engram modes recorded per request slot, the next
   prefill chunk read ahead into the disk tier's DRAM row cache, and the requests whose rows
   could not be read aborted afterwards (scheduler.py);
+* an EngramError while a scheduler is built ends start-up with its one line, last, and exit
+  status 2, not inside SGLang's traceback and SIGKILL of the tree (scheduler.py, engine.py;
+  serving/startup_exit.py);
 * a request's Engram mode checked where SGLang checks its sampling params (HTTP 400) and
   made part of its prefix-cache key (tokenizer_manager.py);
 * a streamed `/generate` request checked so before its stream starts, so a bad one is HTTP
@@ -64,6 +67,7 @@ HOOKS = {
     "sglang.srt.layers.engram": "engram_layer",
     "sglang.srt.models.deepseek_v4": "deepseek_v4",
     "sglang.srt.managers.scheduler": "scheduler",
+    "sglang.srt.entrypoints.engine": "engine",
     "sglang.srt.managers.tokenizer_manager": "tokenizer_manager",
     "sglang.srt.entrypoints.http_server": "http_server",
     "sglang.srt.model_executor.pool_configurator": "pool_configurator",

@@ -9,6 +9,10 @@
    (serving/faults.py).
 
 One wrapper, so the order is written here and nowhere else.
+
+And around the scheduler's construction: an EngramError there (the tables, the flags) ends the
+scheduler with its one line and exit status 2, not inside SGLang's traceback and SIGKILL of the
+tree (serving/startup_exit.py).
 """
 
 from __future__ import annotations
@@ -31,4 +35,18 @@ def run_batch(original, self, batch, *args, **kwargs):
     return result
 
 
-TARGETS = (Target(MODULE, "Scheduler.run_batch", "wrap", run_batch),)
+def scheduler_init(original, self, *args, **kwargs):
+    from ..core.errors import EngramError
+    from ..serving import startup_exit
+
+    try:
+        return original(self, *args, **kwargs)
+    except EngramError as e:
+        if not startup_exit.in_child_process():  # a scheduler built in-process: its caller decides
+            raise
+        startup_exit.report(e)
+        raise SystemExit(startup_exit.STATUS) from None
+
+
+TARGETS = (Target(MODULE, "Scheduler.run_batch", "wrap", run_batch),
+           Target(MODULE, "Scheduler.__init__", "wrap", scheduler_init))

@@ -128,7 +128,8 @@ class Server:
         SIGTERM goes to SGLang's main process first: it drains the requests and tells its
         schedulers to exit, so their exit work runs (the last server to leave removes the
         node's shared host copy, stores/shmcopy.py). A SIGTERM to the whole group at once
-        kills the schedulers before they release anything. What is still alive after
+        would end the schedulers undrained (they release their shared copies first, but
+        nothing else). What is still alive after
         `timeout` gets SIGTERM, then SIGKILL, as a group. Then the /dev/shm files SGLang
         leaves behind even on its graceful path (`_UPSTREAM_SHM`) are removed: those any
         process of the tree held while it ran (recorded since start, so a tree that crashed

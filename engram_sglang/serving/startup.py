@@ -6,8 +6,9 @@ per process, which every Engram layer finds again, and hashes with upstream's En
 (attached later: `EngramRuntime.use_hasher`); its ranks may run attention data or context
 parallelism (`rank_rows`). Both check the checkpoint the tables record against the model
 directory (`check_provenance`), open the stores here, refuse what a CUDA graph or the ranks'
-tokens cannot serve, and log a configuration error as one line before raising it: SGLang prints
-the traceback of a failed scheduler, the line says what to fix.
+tokens cannot serve, and log a configuration error as one line before raising it: the line says
+what to fix, and the plugin ends a scheduler that fails so with it and exit status 2 instead of
+SGLang's traceback (serving/startup_exit.py).
 """
 
 from __future__ import annotations

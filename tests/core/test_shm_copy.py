@@ -484,3 +484,116 @@ def test_a_leftover_whose_pid_now_names_a_later_process_is_reclaimed(tmp_path, m
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# ------------------------------------- a stop by the process group's SIGTERM (issue 25 item 1)
+GROUP_HOLDER = """
+    import signal, subprocess, sys, time
+    from tests.support.tables import small_config
+    from engram_sglang.core.stores import hostmem, open_store, shmcopy
+    {prelude}
+    # A sibling in the same process group, as SGLang's schedulers and detokenizer are.
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    cfg = small_config(200, layer_ids={layers}, n_heads=2)
+    store = open_store({table_dir!r}, "host", cfg=cfg, shared=True, shm_dir={shm!r})
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _group_holder(table_dir, shm, prelude: str = "", layers=(1,)) -> subprocess.Popen:
+    code = textwrap.dedent(GROUP_HOLDER).format(table_dir=str(table_dir), shm=str(shm), layers=layers,
+                                                prelude=textwrap.dedent(prelude).strip())
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc
+
+
+def _stop_group(proc: subprocess.Popen) -> tuple[int, str, str]:
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group: systemd KillMode=control-group, kill -- -PGID
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_a_sigterm_to_the_process_group_releases_the_copy(tables, tmp_path):
+    dir_a, _, _, _ = tables
+    proc = _group_holder(dir_a, tmp_path)
+    assert proc.stdout.readline().strip() == "holding"
+    assert len(_copies(tmp_path)) == 1
+    rc, _, err = _stop_group(proc)
+    assert rc == -signal.SIGTERM, err  # still dies by the signal
+    assert _names(tmp_path) == [], "the copy (or its sidecars) outlived the stop"
+
+
+def test_a_python_sigterm_handler_is_still_called_after_the_release(tables, tmp_path):
+    dir_a, _, _, _ = tables
+    theirs = """
+        import os
+        def theirs(signum, frame):
+            print("theirs", flush=True)
+            os._exit(3)  # no exit handlers: released before it or not at all
+        signal.signal(signal.SIGTERM, theirs)
+    """
+    proc = _group_holder(dir_a, tmp_path, prelude=theirs)
+    assert proc.stdout.readline().strip() == "holding"
+    rc, out, err = _stop_group(proc)
+    assert (rc, out.strip()) == (3, "theirs"), err
+    assert _names(tmp_path) == []
+
+
+def test_a_sigterm_during_another_layers_fill_removes_both(tmp_path):
+    cfg = small_config(200, layer_ids=(1, 3), n_heads=2)
+    layout = EngramLayout(cfg)
+    rng = np.random.default_rng(3)
+    rows = {L: rng.integers(0, 256, (layout.rows(L), ROW_BYTES), dtype=np.uint8) for L in (1, 3)}
+    table_dir = write_tables(tmp_path / "t", cfg, rows, chunk_rows=64, progress=False)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    slow = """
+        hostmem._FILL_CHUNK = 4096
+        beat = shmcopy._Progress.__call__
+        def slow(self, done):
+            if "layer 3" in self.what:
+                if done == 4096:
+                    print("filling", flush=True)
+                time.sleep(0.01)
+            beat(self, done)
+        shmcopy._Progress.__call__ = slow
+    """
+    proc = _group_holder(table_dir, shm, prelude=slow, layers=(1, 3))
+    assert proc.stdout.readline().strip() == "filling"
+    assert any(".tmp." in n for n in _names(shm)) and any(n.endswith("-layer1.rows") for n in _names(shm))
+    rc, _, err = _stop_group(proc)
+    assert rc == -signal.SIGTERM, err
+    assert _names(shm) == [], "left layer 1's copy or layer 3's fill behind"
+
+
+def test_a_copy_whose_lock_stays_busy_at_a_stop_is_left_and_the_stop_is_not_held_up(tables, tmp_path):
+    import time
+
+    dir_a, _, _, _ = tables
+    proc = _group_holder(dir_a, tmp_path, prelude="shmcopy.RELEASE_LOCK_SECONDS = 0.5")
+    assert proc.stdout.readline().strip() == "holding"
+    (copy,) = _copies(tmp_path)
+    locker = _locker(copy)  # e.g. another rank checking it, stuck
+    try:
+        t0 = time.monotonic()
+        rc, _, err = _stop_group(proc)
+        assert rc == -signal.SIGTERM and time.monotonic() - t0 < 30, err
+        assert "stays: its lock was busy for 0 s while stopping" in err, err
+        assert copy.exists()
+    finally:
+        locker.stdin.close()
+        locker.wait(timeout=30)
+
+
+def test_the_release_handler_is_there_only_while_a_copy_is_held(tables, tmp_path):
+    from engram_sglang.core.stores import shmcopy
+
+    dir_a, _, _, _ = tables
+    before = signal.getsignal(signal.SIGTERM)
+    store = _open(dir_a, tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is shmcopy._release_on_signal
+    store.close()
+    assert signal.getsignal(signal.SIGTERM) is before

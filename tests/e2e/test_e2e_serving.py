@@ -312,11 +312,17 @@ def test_bad_table_dir_fails_start_up_with_one_line_and_leaves_nothing(tmp_path,
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
-    assert rc != 0
+    # Exit status 2 with the line last, not SGLang's traceback and SIGKILL of the tree (137).
+    assert rc == 2, rc
     time.sleep(2)
     assert not _group_alive(proc.pid), "a half-started SGLang process was left behind"
     line = server.failure_line()
     assert line.startswith("engram-sglang: ") and expect in line and "\n" not in line, line
+    log = server.log_path.read_text().rstrip().splitlines()
+    last = max(i for i, ln in enumerate(log) if "engram-sglang: error: " in ln)
+    # After the line only SGLang's `finally` ending the other processes ("kill_process_tree called").
+    assert log[last].endswith(line) and all("kill_process_tree" in ln for ln in log[last + 1:]), log[last:]
+    assert not [ln for ln in log if "Traceback" in ln or "Scheduler hit an exception" in ln], log[-30:]
 
 
 def test_bad_flag_values_are_refused_before_anything_starts(tmp_path):

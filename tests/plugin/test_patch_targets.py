@@ -28,7 +28,7 @@ PACKAGE = ROOT / "engram_sglang"
 def test_every_patch_target_exists_in_the_installed_sglang():
     pytest.importorskip("sglang.srt.plugins", reason="needs SGLang (make setup)")
     assert patching.sglang_version() == SGLANG_TESTED, "the venv's SGLang is not the release the targets name"
-    assert len(TARGETS) == 21  # the list below, so a target dropped from TARGETS shows up here
+    assert len(TARGETS) == 23  # the list below, so a target dropped from TARGETS shows up here
     names = sorted(t.name for t in TARGETS)
     assert names == sorted([
         "sglang.srt.server_args.prepare_server_args",
@@ -40,6 +40,8 @@ def test_every_patch_target_exists_in_the_installed_sglang():
         "sglang.srt.layers.engram.EngramHasher.hash_windows",
         "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights",
         "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
+        "sglang.srt.entrypoints.engine._wait_for_scheduler_ready",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_request",
         "sglang.srt.entrypoints.http_server.serve_generate_request",

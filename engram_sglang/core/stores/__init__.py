@@ -123,8 +123,8 @@ def open_store(
         for store in stores.values():
             logger.info("%s", store.describe())
         warning = store_class.start_up_warning(list(stores.values()))
-        if warning:  # once for all layers (e.g. host tables a GPU reads on 4 KiB pages)
-            logger.warning("%s", warning)
+        for line in warning.splitlines():  # once for all layers (e.g. host tables a GPU reads on 4 KiB pages)
+            logger.warning("%s", line)
     except BaseException:
         if tp_size > 1 and agree is not None and not asked:
             agree(False)  # the other ranks wait in it: they must not hang on this rank's error

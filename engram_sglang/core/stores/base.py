@@ -461,8 +461,8 @@ class TableStore(ABC):
 
     @classmethod
     def start_up_warning(cls, stores: list["TableStore"]) -> str:
-        """One line the start-up log gives at WARNING for these stores of this class (opened
-        together by open_store), "" for none."""
+        """What the start-up log gives at WARNING for these stores of this class (opened
+        together by open_store): one record per line of it, "" for none."""
         return ""
 
     def describe(self) -> str:

@@ -23,7 +23,7 @@ from ..errors import EngramConfigError, EngramError
 from ..ops import probe
 from ..rowformat import ROW_BYTES, ROW_VALUES
 from ..tablefile import DATA_OFFSET
-from . import hostmem, shmcopy, thp
+from . import hostmem, shmadmin, shmcopy, thp
 from . import numa as numa_mod
 from .base import WholeTableStore
 from .metrics import METRICS
@@ -83,19 +83,24 @@ class HostStore(WholeTableStore):
             # A fill in progress (another rank's `.tmp`) has taken its memory already: it is this copy's.
             if os.path.lexists(candidate.path) or free + shmcopy.allocated_bytes(candidate.path) >= need:
                 spec = candidate
-            elif shared == REQUIRE:  # asked for no fallback: one copy per rank may not fit the node's memory
-                raise EngramConfigError(
-                    f"engram layer {layer_id}: {shm_dir} has {free / 2**30:.2f} GiB free but the shared table needs "
-                    f"{need / 2**30:.2f} GiB, and --engram-host-shared require (ENGRAM_HOST_SHARED) refuses a private "
-                    f"copy per rank: give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host, or use "
-                    f"--engram-host-shared on to fall back")
             else:
+                # What is there that nobody uses (a killed server's copy, a kept one): the operator's
+                # first place to look, named with its size.
+                spare = shmadmin.describe_unheld(shm_dir, shmadmin.unheld(shm_dir))
+                if shared == REQUIRE:  # asked for no fallback: one copy per rank may not fit the node's memory
+                    raise EngramConfigError(
+                        f"engram layer {layer_id}: {shm_dir} has {free / 2**30:.2f} GiB free but the shared table "
+                        f"needs {need / 2**30:.2f} GiB, and --engram-host-shared require (ENGRAM_HOST_SHARED) refuses "
+                        f"a private copy per rank: give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host, or "
+                        f"use --engram-host-shared on to fall back; {spare}")
                 logger.warning(
                     "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
-                    "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per node)",
-                    layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1,
+                    "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per "
+                    "node); %s", layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1, spare,
                 )
-        if shared and spec is None:
+        self.shm_dir = Path(shm_dir)
+        self.fell_back = bool(shared) and spec is None  # asked to share, kept a private copy (start_up_warning)
+        if self.fell_back:
             # The private fallback holds this rank's rows only: bound by their size, not the layer's.
             self.binding = numa_mod.choose(numa, self.device, (hi - lo) * ROW_BYTES)
         first, last = (0, rows) if spec is not None else (lo, hi)
@@ -182,8 +187,28 @@ class HostStore(WholeTableStore):
 
     @classmethod
     def start_up_warning(cls, stores: list["HostStore"]) -> str:
-        """One line for every table a GPU reads over UVA on 4 KiB pages (none on the CPU: no UVA;
-        none where --engram-huge-pages is off: asked for)."""
+        """One line for the layers whose shared copy fell back to a private one (which shared,
+        which not: the per-layer lines above are many and may scroll by), one for every table a
+        GPU reads over UVA on 4 KiB pages (none on the CPU: no UVA; none where
+        --engram-huge-pages is off: asked for)."""
+        return "\n".join(line for line in (cls._fallback_line(stores), cls._small_pages_line(stores)) if line)
+
+    @staticmethod
+    def _fallback_line(stores: list["HostStore"]) -> str:
+        private = [s for s in stores if s.fell_back]
+        if not private:
+            return ""
+        shared = [s.layer_id for s in stores if s.shared]
+        dirs = ", ".join(sorted({str(s.shm_dir) for s in private}))
+        gib = sum(s.resident_bytes for s in private) / 2**30
+        where = (f"layers {_layer_list(shared)} share the node's copy, layers {_layer_list(s.layer_id for s in private)}"
+                 if shared else f"all {len(private)} layer(s) ({_layer_list(s.layer_id for s in private)})")
+        return (f"engram host tables: {dirs} had room for {len(shared)} of {len(shared) + len(private)} shared "
+                f"layer copies: {where} keep a private copy of this rank's rows ({gib:.2f} GiB on this rank, one "
+                f"per rank; see each layer's warning for what the shm dir needs and what `shm prune` would free)")
+
+    @staticmethod
+    def _small_pages_line(stores: list["HostStore"]) -> str:
         small = []
         for s in stores:
             if s.device.type == "cuda" and s.huge_pages and s.small_pages:
@@ -239,3 +264,16 @@ class HostStore(WholeTableStore):
             self.table_address = None
             self.memory.registered = False
         self.memory.close()  # a shared copy's last holder removes it
+
+
+def _layer_list(layers) -> str:
+    """1, 3-5, 9: sorted layer ids with runs of consecutive ones shortened."""
+    ids, parts = sorted(layers), []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(parts)

@@ -49,6 +49,42 @@ def list_copies(directory: Path) -> list[dict]:
     return out
 
 
+def unheld(directory: Path) -> list[tuple[Path, int]]:
+    """(path, bytes of memory) of what `shm prune` would free in `directory` that is worth
+    naming: copies of this user that no process holds (neither `.users` nor `.lock` in
+    /proc/locks) and fills of dead processes. Read from /proc/locks, taking no lock: safe
+    while other ranks open their copies. [] where the directory or /proc/locks is unreadable."""
+    out = []
+    try:
+        found = list(scan(directory, NAME, _TMP))
+    except OSError:
+        return out
+    for p, st, match in found:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            continue  # not one this user's servers could have left
+        if match.re is _TMP:
+            if filler_alive(int(match.group(2)), st):
+                continue
+        elif any(lock_holders(f) != [] for f in sidecars(p)):  # held, being opened, or unknown
+            continue
+        out.append((p, st.st_blocks * 512))
+    return out
+
+
+def describe_unheld(directory: Path, entries: list[tuple[Path, int]], most: int = 4) -> str:
+    """What `unheld` found, as a clause of one log line."""
+    if not entries:
+        return f"no copy in {directory} is unheld (its space is in use)"
+    names = ", ".join(f"{p.name} ({_size(n)})" for p, n in entries[:most])
+    more = f" and {len(entries) - most} more" if len(entries) > most else ""
+    return (f"{len(entries)} unheld file(s) in {directory}, {_size(sum(n for _, n in entries))}, which "
+            f"`engram-sglang shm prune --shm-dir {directory}` would free: {names}{more}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def remove_copy(directory: Path, name: str, force: bool = False) -> int:
     """Remove a copy (and its sidecars), a fill's leftover or a sidecar without a copy by
     name; bytes freed. A copy a running server holds is refused unless `force` (that server

@@ -15,7 +15,9 @@ Trusted on its content, not on its name and size:
 * leftover `.tmp.PID` files of crashed fills are removed: those of this copy under its lock
   (no fill can be running then), others when their PID is dead;
 * reference counted by shared flocks on `NAME.users` (the kernel drops those of a dead
-  process): the last server to close its store removes the copy unless told to keep it.
+  process): the last server to close its store removes the copy unless told to keep it, also
+  when it is stopped by SIGTERM or SIGHUP (a process group's stop: systemd, `kill -- -PGID`,
+  Kubernetes), which would otherwise kill Python without its exit handlers (_release_on_signal).
 
 Start-up fills or checks under `NAME.lock`: the first rank works while the others wait, with
 a line every LOCK_LOG_SECONDS naming the holder, given up when it stalls (wait_flock). A
@@ -417,7 +419,8 @@ def _unwind_on_signals():
             raise _Interrupted(signum)
 
     previous = {s: signal.getsignal(s) for s in _UNWOUND_SIGNALS}
-    installed = [s for s, h in previous.items() if h is signal.SIG_DFL]
+    # (over the release handler too: once unwound, raising the signal again runs it)
+    installed = [s for s, h in previous.items() if h is signal.SIG_DFL or h is _release_on_signal]
     for s in installed:
         signal.signal(s, handler)
     try:
@@ -428,7 +431,45 @@ def _unwind_on_signals():
         if got:
             logger.warning("engram: %s during the shared copy's fill or check: removed what it left; exiting",
                            signal.Signals(got[0]).name)
-            signal.raise_signal(got[0])  # the default action, now restored
+            signal.raise_signal(got[0])  # the default action (or the release handler), now restored
+
+
+# SIGTERM/SIGHUP while copies are held (a server stopped by its process group: systemd's
+# KillMode=control-group, `kill -- -PGID`, Kubernetes): release them, then the handler that was
+# there before (the default action: the process dies by the signal). SIGINT's default raises
+# KeyboardInterrupt, which unwinds to the exit handlers already. SIGKILL cannot be caught: a copy
+# a killed server held stays until the next start of the same table checks and serves it, or
+# `engram-sglang shm prune` removes it.
+_RELEASED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_CHAINED: dict[int, object] = {}  # signal -> the handler _release_on_signal replaced
+RELEASE_LOCK_SECONDS = 2.0  # a copy's lock busy longer than this at a stop: left for the next start
+
+
+def _release_on_signal(signum, frame) -> None:
+    previous = _CHAINED.get(signum, signal.SIG_DFL)  # (the last release puts it back: read it first)
+    _release_all(wait=RELEASE_LOCK_SECONDS)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
+def _hold_signals(holding: bool) -> None:
+    """Install _release_on_signal while this process holds a copy (over the default action
+    or a Python handler, which it then calls; an ignored signal stays ignored), put back what
+    was there when it holds none. Only the main thread can set handlers: elsewhere nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in _RELEASED_SIGNALS:
+        current = signal.getsignal(s)
+        if holding and s not in _CHAINED and current not in (signal.SIG_IGN, None, _release_on_signal):
+            _CHAINED[s] = current
+            signal.signal(s, _release_on_signal)
+        elif not holding and s in _CHAINED:
+            previous = _CHAINED.pop(s)
+            if current is _release_on_signal:  # else someone installed theirs over ours: leave it
+                signal.signal(s, previous)
 
 
 class _Progress:
@@ -472,9 +513,10 @@ def verify(m, spec: Spec, progress: Optional[Callable[[int], None]] = None) -> O
     return None
 
 
-# Copies this process holds, released at exit (a server that returns from main).
+# Copies this process holds, released at exit (a server that returns from main) or by a
+# terminating signal (_release_on_signal, which may interrupt the main thread inside the lock).
 _OPEN: "set[SharedCopy]" = set()
-_OPEN_LOCK = threading.Lock()
+_OPEN_LOCK = threading.RLock()
 
 
 class SharedCopy:
@@ -496,6 +538,7 @@ class SharedCopy:
             self._open_under_lock(fill, advise)
         with _OPEN_LOCK:
             _OPEN.add(self)
+            _hold_signals(True)
         logger.info("engram layer %d: shared copy %s %s", spec.layer_id, self.path, self.how)
 
     def _open_under_lock(self, fill, advise) -> None:
@@ -602,14 +645,23 @@ class SharedCopy:
         advise(m)
         return m
 
-    def release(self) -> None:
+    def release(self, wait: Optional[float] = None) -> None:
         """Drop this hold (the caller has closed `map`, or left it to its last view); the last
-        holder removes the copy and its sidecars unless the spec keeps it."""
+        holder removes the copy and its sidecars unless the spec keeps it. `wait`: seconds to
+        try for the copy's lock (a stop must not wait on another rank's fill); past them the
+        hold goes with the process and the copy stays (`shm ls`: nobody holds it)."""
         with _OPEN_LOCK:
             if self not in _OPEN:
                 return
             _OPEN.discard(self)
-        lock_fd = lock(self.path)
+            if not _OPEN:
+                _hold_signals(False)
+        lock_fd = lock(self.path) if wait is None else _lock_within(self.path, wait)
+        if lock_fd is None:
+            logger.warning("engram layer %d: %s stays: its lock was busy for %.0f s while stopping (engram-sglang "
+                           "shm prune removes it when nobody holds it)", self.spec.layer_id, self.path, wait)
+            os.close(self._users)
+            return
         try:
             # Under the lock no other server is opening or leaving: exclusive means nobody else holds it.
             last = _try_exclusive(self._users)
@@ -630,12 +682,22 @@ class SharedCopy:
             os.close(lock_fd)
 
 
+def _lock_within(path: Path, seconds: float) -> Optional[int]:
+    """The copy's lock (as `lock`), tried for `seconds`; None when it stays busy."""
+    deadline = time.monotonic() + seconds
+    while True:
+        fd = lock(path, blocking=False)
+        if fd is not None or time.monotonic() >= deadline:
+            return fd
+        time.sleep(LOCK_POLL_SECONDS)
+
+
 @atexit.register
-def _release_all() -> None:
+def _release_all(wait: Optional[float] = None) -> None:
     with _OPEN_LOCK:
         held = list(_OPEN)
     for copy in held:
         try:
-            copy.release()
+            copy.release(wait)
         except Exception:  # noqa: BLE001 - at exit: the next server's start reclaims what is left
             logger.exception("engram: releasing %s at exit failed", copy.path)
