@@ -41,6 +41,19 @@ def test_every_sku_has_a_host_recipe_and_a_device_one_where_a_node_fits_it():
     assert len(set(names)) == len(names)
 
 
+def test_recipes_are_what_the_planner_generates():
+    """configs/recipes/ is the planner's ranking of one node per SKU (tools/recipes.py): a
+    changed planner figure, SKU or launch line changes them, and a stale file fails here."""
+    from engram_sglang.tools import recipes
+
+    want = recipes.generate()
+    assert sorted(want) == sorted(f.name for f in FILES)
+    for f in FILES:
+        assert f.read_text() == recipes.render(want[f.name]), f"{f.name} is stale: python -m engram_sglang.tools.recipes --write"
+        best = json.loads(f.read_text())["recipes"][0]
+        assert best["reason"].startswith("Best on one")
+
+
 @pytest.mark.parametrize("path, recipe", RECIPES, ids=ids(RECIPES))
 def test_recipe_fits_the_plan(path, recipe):
     gpu = json.loads(path.read_text())["gpu"]
