@@ -23,9 +23,22 @@ def _cmd_convert(args) -> int:
     from ..core.tablefile import convert_checkpoint, inspect_tables
 
     cfg = EngramConfig.resolve(args.config) if args.config else None
-    out = convert_checkpoint(args.checkpoint, args.out_dir, cfg)
+    _log_to_stderr("engram_sglang.core.tablefile")  # progress off a terminal, leftovers removed
+    out = convert_checkpoint(args.checkpoint, args.out_dir, cfg, threads=args.threads)
     print(inspect_tables(out))
     return 0
+
+
+def _log_to_stderr(name: str) -> None:
+    """INFO lines of logger `name` on stderr, one per line (nothing configures logging here)."""
+    import logging
+
+    log = logging.getLogger(name)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("engram-sglang: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def _cmd_verify(args) -> int:
@@ -149,6 +162,16 @@ def _duration(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return value
+
+
 def _cmd_demo(args) -> int:
     from .demo.run import run_demo
 
@@ -221,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory (safetensors shards + config.json)")
     p.add_argument("out_dir", help="table directory to write")
     p.add_argument("--config", help="preset name or config.json to use instead of CHECKPOINT/config.json")
+    p.add_argument("--threads", type=_positive_int, default=None, help="chunks read, packed and written at once "
+                   "(default: the CPUs this process may use, 2 to 8)")
     p.set_defaults(func=_cmd_convert)
     p = tables.add_parser("verify", help="check sizes, config and every chunk checksum of a table directory")
     p.add_argument("table_dir", nargs="?", help=f"table directory (default with --model: MODEL/{DEFAULT_TABLE_DIR})")

@@ -15,8 +15,10 @@ The manifest may record the checkpoint the rows came from (`provenance`), which 
 checks against the served model directory.
 
 By concern: `fileformat` (names, header, constants), `read` (open, verify, inspect),
-`write` (write_tables, record_provenance), `convert` (from a checkpoint), `provenance` (the
-checkpoint's identity); this package re-exports their names.
+`write` (write_tables, record_provenance), `layerfile` (one layer file, chunks on a thread
+pool, O_DIRECT), `progress` (bar or log lines), `leftovers` (dead writers' directories),
+`convert` (from a checkpoint), `provenance` (the checkpoint's identity); this package
+re-exports their names.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Writing a table directory: streamed chunk by chunk into a fresh directory beside the
 target, checked by opening it, then swapped in whole under a lock on the parent.
 
+Before anything is written, dead writers' directories beside the target are removed
+(leftovers.py) and the filesystem must have room for the whole table; the layer files
+themselves are written by layerfile.py, on a thread pool.
+
 Modes are set explicitly, whatever the writer's umask: directory 0755, files 0644, so that a
 server of another uid (a container user reading a `:ro` mount) can open them; mkdtemp's 0700
 would refuse it."""
@@ -16,35 +20,29 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
-
-import numpy as np
-import torch
-import xxhash
-from tqdm.auto import tqdm
+from typing import Mapping, Optional
 
 from ..config import EngramConfig
 from ..errors import TableFormatError
 from ..hashing import EngramLayout
 from ..rowformat import PAYLOAD_BYTES, ROW_BYTES, SCALE_BYTES
-from .fileformat import (
-    _HEADER,
-    _MAGIC,
-    CHUNK_ROWS,
-    DATA_OFFSET,
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    RowSource,
-    _is_count,
-    _no_bar,
-    layer_file_name,
-)
+from . import leftovers
+from .fileformat import CHUNK_ROWS, DATA_OFFSET, FORMAT, MANIFEST, VERSION, RowSource, _is_count, layer_file_name
+from .layerfile import FILE_MODE, write_layer
+from .progress import Progress
 from .provenance import check_provenance
 from .read import open_tables, read_manifest
 
-DIR_MODE, FILE_MODE = 0o755, 0o644
+DIR_MODE = 0o755
+MAX_THREADS = 8
+
+
+def default_threads() -> int:
+    """Chunks in flight: the CPUs this process may use, at least 2 (one reads while
+    another writes, even on one CPU), at most MAX_THREADS."""
+    return max(2, min(MAX_THREADS, len(os.sched_getaffinity(0))))
 
 
 def write_tables(
@@ -55,12 +53,17 @@ def write_tables(
     chunk_rows: int = CHUNK_ROWS,
     progress: Optional[bool] = None,
     provenance: Optional[dict] = None,
+    threads: Optional[int] = None,
+    direct: bool = True,
 ) -> Path:
     """Write every Engram layer's packed rows into `out_dir` and its manifest.
 
-    `rows_by_layer[L]` is a uint8 [R, 264] array/tensor (a memory map is fine) or an
-    iterable of such chunks, R = the layout's row count for layer L. `provenance`: the
-    checkpoint the rows came from (provenance.checkpoint_provenance), None for none.
+    `rows_by_layer[L]` is a uint8 [R, 264] array/tensor (a memory map is fine), a
+    layerfile.RowFill, or an iterable of such chunks, R = the layout's row count for layer
+    L. `provenance`: the checkpoint the rows came from (provenance.checkpoint_provenance),
+    None for none. `threads`: chunks in flight (default_threads() when None; 1 writes on
+    this thread alone); `direct`: O_DIRECT where the filesystem takes it. `progress`:
+    progress.Progress's.
     """
     out = Path(out_dir)
     layout = EngramLayout(cfg)
@@ -69,41 +72,79 @@ def write_tables(
         raise TableFormatError(f"write_tables: no rows given for Engram layer(s) {missing} of {cfg.source}")
     if not _is_count(chunk_rows):
         raise TableFormatError(f"write_tables: chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    threads = default_threads() if threads is None else threads
+    if not _is_count(threads):
+        raise TableFormatError(f"write_tables: threads must be an integer >= 1, got {threads!r}")
     if provenance is not None:
         check_provenance(provenance, "write_tables")
     # Beside the real target (a symlink's), so the final swap is a rename on one filesystem.
     target = Path(os.path.realpath(out))
     _check_target(target)
+    leftovers.reclaim(target.parent, _sibling_stem(target))  # (before the space check: they free some)
+    data_bytes = sum(layout.rows(L) * ROW_BYTES for L in cfg.layer_ids)
+    _check_space(target, data_bytes + len(cfg.layer_ids) * DATA_OFFSET + (1 << 20))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=_sibling_prefix(target, "writing"), dir=target.parent))
+        held = leftovers.hold(work)
     except OSError as e:
         raise TableFormatError(f"{out}: cannot create a table directory there ({e.strerror})") from None
+    bar = Progress(data_bytes, f"writing {target}", progress)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="engram-write") if threads > 1 else None
+    ok = False
     try:
-        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, progress, provenance)
+        _write_into(work, cfg, layout, rows_by_layer, chunk_rows, bar, provenance, pool, threads, direct)
         open_tables(work, cfg)  # what was written must open before it replaces anything
         os.chmod(work, DIR_MODE)  # (its files got FILE_MODE as they were written)
         _swap_in(work, target)
+        ok = True
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        os.close(held)
+        bar.close(ok)
     return out
+
+
+def _check_space(target: Path, need: int) -> None:
+    """Room for the whole table on the target's filesystem, before a byte is written (the
+    old directory it replaces is freed only after the swap)."""
+    probe = next((p for p in (target.parent, *target.parent.parents) if os.path.isdir(p)), None)
+    if probe is None:
+        return
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return  # the write's own errors say what is wrong
+    if st.f_blocks == 0:
+        return  # a filesystem that reports no sizes (some FUSE mounts): nothing to compare
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise TableFormatError(f"{target}: needs {need / 2**30:.1f} GiB, its filesystem ({probe}) has "
+                               f"{free / 2**30:.1f} GiB free; free some or write the tables elsewhere")
 
 
 def _sibling_prefix(target: Path, what: str) -> str:
     """A hidden sibling's name prefix: a hash of the target's name, not the name itself, so that
     any name the filesystem takes (255 bytes) leaves room for the sibling's (~40 bytes)."""
-    digest = hashlib.sha1(os.fsencode(target.name)).hexdigest()[:12]
-    return f".engram-{digest}.{what}-{os.getpid()}-"
+    return f"{_sibling_stem(target)}{what}-{os.getpid()}-"
 
 
-def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress, provenance) -> None:
+def _sibling_stem(target: Path) -> str:
+    return f".engram-{hashlib.sha1(os.fsencode(target.name)).hexdigest()[:12]}."
+
+
+def _write_into(out: Path, cfg, layout, rows_by_layer, chunk_rows, progress, provenance, pool, threads, direct) -> None:
     layers = []
     for layer_id in cfg.layer_ids:
         expected = layout.rows(layer_id)
         path = out / layer_file_name(layer_id)
         try:
-            checksums = _write_layer(path, layer_id, cfg, expected, rows_by_layer[layer_id], chunk_rows, progress)
+            checksums = write_layer(path, layer_id, cfg, expected, rows_by_layer[layer_id], chunk_rows, progress,
+                                    pool=pool, threads=threads, direct=direct)
         except OSError as e:  # a full disk, a quota
             raise TableFormatError(f"{path}: cannot write the layer file ({e.strerror or e})") from None
         layers.append({"layer_id": layer_id, "file": path.name, "rows": expected, "checksums": checksums})
@@ -207,64 +248,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _chunks_of(source: RowSource, chunk_rows: int) -> Iterator[np.ndarray]:
-    if isinstance(source, (np.ndarray, torch.Tensor)):
-        for lo in range(0, source.shape[0], chunk_rows):
-            yield _as_rows(source[lo : lo + chunk_rows])
-    else:
-        for chunk in source:
-            yield _as_rows(chunk)
-
-
-def _as_rows(chunk) -> np.ndarray:
-    a = chunk.contiguous().numpy() if isinstance(chunk, torch.Tensor) else np.ascontiguousarray(chunk)
-    if a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != ROW_BYTES:
-        raise TableFormatError(f"row chunks must be uint8 [n, {ROW_BYTES}], got {a.dtype} {a.shape}")
-    return a
-
-
 def _write_layer(path, layer_id, cfg, expected, source, chunk_rows, progress) -> list[str]:
-    tmp = path.with_name(path.name + ".tmp")
-    header = json.dumps(
-        {"layer_id": layer_id, "rows": expected, "row_bytes": ROW_BYTES, "config_fingerprint": cfg.fingerprint()}
-    ).encode()
-    page = _HEADER.pack(_MAGIC, VERSION, len(header)) + header
-    checksums, hasher, in_chunk, written = [], xxhash.xxh3_64(), 0, 0
-    bar = tqdm(total=expected * ROW_BYTES, unit="B", unit_scale=True, desc=path.name, disable=_no_bar(progress))
-    try:
-        with open(tmp, "wb") as f:
-            f.write(page.ljust(DATA_OFFSET, b"\0"))
-            for rows in _chunks_of(source, chunk_rows):
-                if written + rows.shape[0] > expected:
-                    raise TableFormatError(
-                        f"{path}: layer {layer_id} got more than the {expected} rows its layout has"
-                    )
-                f.write(memoryview(rows).cast("B"))
-                # Checksums cover fixed chunk_rows ranges whatever size the input chunks have.
-                lo = 0
-                while lo < rows.shape[0]:
-                    take = min(rows.shape[0] - lo, chunk_rows - in_chunk)
-                    hasher.update(memoryview(rows[lo : lo + take]).cast("B"))
-                    lo, in_chunk = lo + take, in_chunk + take
-                    if in_chunk == chunk_rows:
-                        checksums.append(hasher.hexdigest())
-                        hasher, in_chunk = xxhash.xxh3_64(), 0
-                written += rows.shape[0]
-                bar.update(rows.nbytes)
-            if written != expected:
-                raise TableFormatError(f"{path}: layer {layer_id} got {written} rows, its layout has {expected}")
-            if in_chunk:
-                checksums.append(hasher.hexdigest())
-            os.fchmod(f.fileno(), FILE_MODE)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        bar.close()
-    return checksums
+    """One layer file on this thread (tests forge directories with it)."""
+    return write_layer(path, layer_id, cfg, expected, source, chunk_rows, progress)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
