@@ -178,9 +178,7 @@ class _LayerReader:
         self.tensors = [(name, shard, width) for name, shard, width, _ in _layer_tensors(found)]
         self.fds: list[int] = []
         self.offsets: list[int] = []
-        self.extra: list[int] = []  # the workers' own descriptors (_reopen)
-        self.lock = threading.Lock()
-        self.scratch = threading.local()  # each worker's descriptors and read buffers
+        self.scratch = threading.local()  # each worker's read buffers
 
     def __enter__(self):
         try:
@@ -199,35 +197,16 @@ class _LayerReader:
         return self
 
     def __exit__(self, *exc):
-        for fd in self.fds + self.extra:
+        for fd in self.fds:
             os.close(fd)
-        self.fds, self.extra = [], []
-
-    def _reopen(self) -> list[int]:
-        """This thread's own descriptors of the shards: the kernel's read-ahead follows one
-        sequential reader per open file, and threads reading other chunks through one
-        descriptor would each look random to it. /proc/self/fd opens the very files checked."""
-        fds = []
-        try:
-            for fd in self.fds:
-                fds.append(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError:  # no /proc: share the checked descriptors
-            for fd in fds:
-                os.close(fd)
-            return self.fds
-        with self.lock:
-            self.extra += fds
-        for fd, offset, (_, _, width) in zip(fds, self.offsets, self.tensors):
-            os.posix_fadvise(fd, offset, self.rows * width, os.POSIX_FADV_SEQUENTIAL)
-        return fds
+        self.fds = []
 
     def fill(self, lo: int, out: np.ndarray) -> None:
-        mine = getattr(self.scratch, "fds", None)
-        if mine is None:
-            mine = self.scratch.fds = self._reopen()
-            self.scratch.bufs = [np.empty(self.piece_rows * w, np.uint8) for _, _, w in self.tensors]
+        bufs = getattr(self.scratch, "bufs", None)
+        if bufs is None:
+            bufs = self.scratch.bufs = [np.empty(self.piece_rows * w, np.uint8) for _, _, w in self.tensors]
         col = 0
-        for (name, shard, width), fd, offset, buf in zip(self.tensors, mine, self.offsets, self.scratch.bufs):
+        for (name, shard, width), fd, offset, buf in zip(self.tensors, self.fds, self.offsets, bufs):
             for a in range(0, out.shape[0], self.piece_rows):
                 n = min(self.piece_rows, out.shape[0] - a)
                 view = buf[: n * width]
