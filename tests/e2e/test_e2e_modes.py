@@ -1,125 +1,38 @@
 """End to end on CPU: Engram modes per request (serving/modes.py) on real `sglang.launch_server`.
 
-One server with `--engram-ablation on` and the retraction set-up of test_e2e_retraction.py
-(a 192-token KV pool, a first wave decoding when a second arrives): six requests in six
-modes (off, on, prefill, decode, a window, decode) share decode and prefill steps, and
-SGLang retracts some of the second wave, whose modes depend on position (prefill, decode,
-window), and prefills their generated tokens again. Then, on the same server: a prompt
-served with Engram on and again with it off (the prefix cache must not hand the off request
-the on request's KV), and requests with bad modes (HTTP 400, one line).
+The server of tests/support/pressure.py (`--engram-ablation on`, the retraction set-up of
+test_e2e_retraction.py: a 192-token KV pool, a first wave decoding when a second arrives),
+after its retraction phase: six requests in six modes (off, on, prefill, decode, a window,
+decode) share decode and prefill steps, and SGLang retracts some of the second wave, whose
+modes depend on position (prefill, decode, window), and prefills their generated tokens
+again. Then, on the same server: a prompt served with Engram on and again with it off (the
+prefix cache must not hand the off request the on request's KV), and requests with bad
+modes (HTTP 400, one line).
 
 Checked: every completion equals the reference forward's in its mode (teacher forcing, one
 forward per request with its per-position mask), every traced token's hash ids and row
 checksums equal the reference's (+0.0 rows for tokens with Engram off), a step holds tokens
 of several modes with Engram on and off, and the stores served exactly the rows of the
-tokens with Engram on.
+tokens with Engram on (the retraction phase's tokens, all on, included).
 """
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engram_sglang.serving.launch import Server, ServerError
 from engram_sglang.serving.modes import mask_for, parse_mode
-from tests.e2e.test_e2e_retraction import (
-    CHUNK,
-    FIRST_LENGTHS,
-    FIRST_NEW,
-    POOL,
-    RETRACT_LINE,
-    SECOND_LENGTHS,
-    SECOND_NEW,
-    prompts,
-    trace_lines,
-    trace_records,
-    wait_for_decode,
-)
-from tests.support.demo_support import demo_dir, reference
+from tests.support.demo_support import reference
+from tests.support.pressure import PREFIX_NEW, RETRACT_LINE, trace_records
 
 pytestmark = pytest.mark.slow
 
-FIRST_MODES = ("off", "on")
-SECOND_MODES = ("prefill", "decode", {"mode": "window", "from": 3, "until": 20}, "decode")
-PREFIX_NEW = 6
-
-
-def generate(server: Server, prompt: list[int], new: int, mode=None) -> dict:
-    params = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": False}
-    if mode is not None:
-        params["custom_params"] = {"engram": mode}
-    return server.post("/generate", {"input_ids": prompt, "sampling_params": params})
-
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    work = tmp_path_factory.mktemp("modes")
-    trace = work / "trace.jsonl"
-    first, second = prompts(FIRST_LENGTHS, 3), prompts(SECOND_LENGTHS, 11)
-    prefix_prompt = prompts((24,), 29)[0]
-    server = Server(demo_dir(), engram={"placement": "device", "trace": str(trace), "ablation": "on"},
-                    max_total_tokens=POOL, log_path=work / "sglang.log",
-                    args=("--schedule-conservativeness", "0.05", "--chunked-prefill-size", str(CHUNK)))
-    out = {"prompts": first + second, "news": [FIRST_NEW] * len(first) + [SECOND_NEW] * len(second),
-           "modes": list(FIRST_MODES + SECOND_MODES), "prefix_prompt": prefix_prompt}
-    with server, ThreadPoolExecutor(len(first) + len(second)) as pool:
-        before = len(trace_lines(trace))  # the /health probe's step
-        waves = [pool.submit(generate, server, p, FIRST_NEW, m) for p, m in zip(first, FIRST_MODES)]
-        out["decoding"] = wait_for_decode(trace, before, len(first))
-        waves += [pool.submit(generate, server, p, SECOND_NEW, m) for p, m in zip(second, SECOND_MODES)]
-        out["outs"] = [w.result() for w in waves]
-        out["wave_steps"] = len(trace_lines(trace))
-        # The same prompt with Engram on twice (the second reuses the first's prefix: the
-        # control), then off: it must not reuse the prefix computed with Engram on.
-        out["prefix"] = [generate(server, prefix_prompt, PREFIX_NEW, m) for m in ("on", "on", "off")]
-        out["bad"] = {}
-        for bad in ("sideways", {"mode": "window"}, {"mode": "window", "from": 5, "until": 2}):
-            try:
-                generate(server, prefix_prompt, 2, bad)
-                out["bad"][json.dumps(bad)] = None
-            except ServerError as e:
-                out["bad"][json.dumps(bad)] = str(e)
-        out["hostile"] = hostile_requests(server, prefix_prompt)
-        out["stats"] = server.engram_stats()
-        # A full disk under the trace (a symlink to /dev/full: a real ENOSPC) must not stop serving.
-        trace.rename(work / "trace.kept")
-        trace.symlink_to("/dev/full")
-        out["full_disk"] = [generate(server, prefix_prompt, PREFIX_NEW, m)["output_ids"] for m in ("on", "off")]
-        trace.unlink()
-        (work / "trace.kept").rename(trace)
-    out["steps"] = trace_lines(trace)
-    out["log"] = (work / "sglang.log").read_text(errors="replace")
-    return out
-
-
-def raw_post(server: Server, body: dict, timeout: float = 120) -> tuple[int, bytes]:
-    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def hostile_requests(server: Server, prompt: list[int]) -> dict:
-    """Bad requests a few ms each (issue 22 item 13): a 1 MiB mode value, a custom_params that
-    is not an object, a batch with one bad element, and a streamed bad mode."""
-    params = {"max_new_tokens": 2, "temperature": 0.0}
-    vocab = json.loads((demo_dir() / "config.json").read_text())["vocab_size"]
-    return {"vocab": vocab,
-        "huge_mode": raw_post(server, {"input_ids": prompt, "sampling_params": {
-            **params, "custom_params": {"engram": "x" * (1 << 20)}}}),
-        "string_params": raw_post(server, {"input_ids": prompt, "sampling_params": {**params, "custom_params": "off"}}),
-        "batch": raw_post(server, {"input_ids": [prompt, prompt[:5] + [vocab], prompt],
-                                   "sampling_params": params}),
-        "streamed_bad_mode": raw_post(server, {"input_ids": prompt, "stream": True, "sampling_params": {
-            **params, "custom_params": {"engram": "sideways"}}}),
-    }
+def served(pressure_run):
+    """The modes phase: its trace lines and log part, plus the whole log (start-up lines)."""
+    return {**pressure_run["modes"], "whole_log": pressure_run["log"]}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +46,7 @@ def checked(served):
     forwards = [ref.forward(s[:-1], m) for s, m in zip(seqs, masks)]
     greedy = [f.logits[len(p) - 1:].argmax(-1).tolist() for f, p in zip(forwards, served["prompts"])]
     counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "on_wrong": 0, "unmatched": 0, "reprefilled_by_position": 0}
-    steps = served["steps"][: served["wave_steps"]]
+    steps = served["steps"]
     for rec in trace_records(steps):
         if rec["tok"] == [0] and rec["pos"] == [0]:
             continue  # SGLang's /health probe
@@ -244,7 +157,7 @@ def test_hostile_requests_get_one_short_line(served):
     assert status == 400 and _message(body).startswith("sampling_params.custom_params must be a JSON object"), body
     status, body = hostile["batch"]
     assert status == 400 and _message(body).startswith(f"batch[1] of 3: input_ids: token id {hostile['vocab']} "), body
-    assert len([ln for ln in served["log"].splitlines() if "x" * 65 in ln]) == 0  # nor a 1 MiB log line
+    assert len([ln for ln in served["whole_log"].splitlines() if "x" * 65 in ln]) == 0  # nor a 1 MiB log line
 
 
 def test_a_streamed_bad_mode_is_http_400_before_the_stream(served):
@@ -269,6 +182,7 @@ def test_tokens_with_engram_off_read_no_rows(served):
 def test_the_server_said_once_that_cuda_graphs_are_off(served):
     """(Rides on this server, started with --engram-ablation on and --engram-trace: one
     notice, the trace's; the modes' own reason is tested in test_modes.py.)"""
-    assert served["log"].count("engram-sglang notice: ") == 1
-    assert served["log"].count("engram-sglang notice: --engram-trace writes each step's ids") == 1
-    assert "'cuda_graph_backend_decode': 'disabled', 'cuda_graph_backend_prefill': 'disabled'" in served["log"]
+    log = served["whole_log"]
+    assert log.count("engram-sglang notice: ") == 1
+    assert log.count("engram-sglang notice: --engram-trace writes each step's ids") == 1
+    assert "'cuda_graph_backend_decode': 'disabled', 'cuda_graph_backend_prefill': 'disabled'" in log

@@ -31,9 +31,9 @@ import pytest
 
 from engram_sglang.serving.launch import ServerError, free_port
 from engram_sglang.serving.modes import mask_for, parse_mode
-from tests.e2e.test_e2e_retraction import prompts, trace_lines, trace_records
 from tests.support.demo_support import demo_dir, reference
 from tests.support.pd_support import NoNamespace, Router, own_network_namespace, pd_server
+from tests.support.pressure import prompts, trace_lines, trace_records
 
 pytestmark = pytest.mark.slow
 
@@ -101,8 +101,8 @@ def pd(tmp_path_factory):
                 finally:
                     router.stop()
             finally:
-                for s in servers:
-                    s.stop()
+                with ThreadPoolExecutor(len(servers)) as pool:  # each stop waits out SGLang's 5 s SIGTERM poll
+                    list(pool.map(lambda s: s.stop(), servers))
     except NoNamespace as e:
         pytest.skip(f"PD servers run in a network namespace of the test's own: {e}")
     return {"prompts": main, "outs": outs, "control_prompts": ctrl, "controls": controls,

@@ -1,18 +1,11 @@
 """End to end on CPU: decode retraction under KV-cache pressure, on real `sglang.launch_server`.
 
-SGLang admits a request when its prompt plus its *full* max_new_tokens fits in the free
-KV pool, but counts requests that are already running at only `new_token_ratio` of their
-remaining tokens (0.7 x --schedule-conservativeness at start-up; requests with ignore_eos
-count in full). So: a tiny pool (--max-total-tokens 192), a low ratio
-(--schedule-conservativeness 0.05), a first wave of two long generations that is already
-decoding when a second wave of shorter ones arrives. The second wave is admitted against
-a pool the first wave will still grow into: while a second-wave request runs (30 steps)
-the first wave grows by 60 tokens, more than the pool had left after admission (less than
-one more request, ~41 tokens), so decode runs out of KV slots however far the first wave
-had got (up to ~50 steps) when the second arrived. SGLang then retracts requests (`KV cache
-pool is full. Retract requests.`): frees their KV, requeues them, and later prefills
-prompt + generated tokens again (here in 16-token chunks). It retracts the request with
-the fewest generated tokens first, which has a few dozen by then.
+The set-up (tests/support/pressure.py, whose server this module shares with
+test_e2e_modes.py): a 192-token KV pool, a low --schedule-conservativeness, a first wave of
+two long generations already decoding when a second wave of shorter ones arrives, so that
+decode runs out of KV slots and SGLang retracts requests (`KV cache pool is full. Retract
+requests.`), frees their KV, requeues them and later prefills prompt + generated tokens again
+(in 16-token chunks).
 
 Checked: retraction happened (the log line and each request's `num_retractions`), every
 completion equals the reference forward's greedy completion, and every traced token
@@ -22,101 +15,24 @@ reference's hash ids and rows.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import re
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
 
-from engram_sglang.serving.launch import Server
-from tests.support.demo_support import demo_dir, reference
+from tests.support.demo_support import reference
+from tests.support.pressure import CHUNK, POOL, RETRACT_LINE, SECOND_LENGTHS, trace_records
 
 pytestmark = pytest.mark.slow
 
-POOL = 192  # KV-cache tokens
-CHUNK = 16  # --chunked-prefill-size: re-prefills of retracted requests span chunks
-FIRST_LENGTHS, FIRST_NEW = (10, 12), 80  # decoding when the second wave arrives
-SECOND_LENGTHS, SECOND_NEW = (8, 11, 9, 12), 30
-RETRACT_LINE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
-
-
-def prompts(lengths, salt: int) -> list[list[int]]:
-    tok = reference().tokenizer
-    text = "\n".join(Path(m.__file__).read_text() for m in (functools, json, os))
-    ids = tok(text)["input_ids"]
-    return [ids[((i + salt) * 1499) % (len(ids) - 100):][:n] for i, n in enumerate(lengths)]
-
-
-def generate(server: Server, prompt: list[int], new: int) -> dict:
-    # ignore_eos=False: SGLang reserves a running request's remaining tokens in full when
-    # it ignores EOS, and then never over-commits. The demo model has no EOS token, so
-    # every request still runs to max_new_tokens (checked below).
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": False}}
-    return server.post("/generate", body)
-
-
-def trace_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for_decode(trace: Path, after: int, width: int, timeout: float = 120) -> bool:
-    """Until a decode step of `width` requests follows the first `after` trace lines (the
-    whole first wave decodes)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(s["mode"] == "decode" and len(set(s["req"])) >= width for s in trace_lines(trace)[after:]):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def trace_records(steps: list[dict]) -> list[dict]:
-    """Per request lifetime in a slot (as demo_support.trace_requests, plus each token's
-    step mode and conv-window checksums): a slot's tokens continue its record while their
-    positions follow on."""
-    records, current = [], {}
-    for step in steps:
-        for t, (slot, pos, tok) in enumerate(zip(step["req"], step["pos"], step["tok"])):
-            r = current.get(slot)
-            if r is None or r["pos"][-1] + 1 != pos:
-                r = current[slot] = {"tok": [], "pos": [], "mode": [], "ids": {}, "sum": {}, "conv": {}}
-                records.append(r)
-            r["tok"].append(tok)
-            r["pos"].append(pos)
-            r["mode"].append(step["mode"])
-            for key in ("ids", "sum", "conv"):  # conv: each token's conv-window entry checksums
-                for layer, values in step.get(key, {}).items():
-                    r[key].setdefault(layer, []).append(values[t])
-    return records
-
 
 @pytest.fixture(scope="module")
-def pressured(tmp_path_factory):
-    work = tmp_path_factory.mktemp("retraction")
-    trace = work / "trace.jsonl"
-    first, second = prompts(FIRST_LENGTHS, 3), prompts(SECOND_LENGTHS, 11)
-    server = Server(demo_dir(), engram={"placement": "device", "trace": str(trace)}, max_total_tokens=POOL,
-                    args=("--schedule-conservativeness", "0.05", "--chunked-prefill-size", str(CHUNK)),
-                    log_path=work / "sglang.log")
-    with server, ThreadPoolExecutor(len(first) + len(second)) as pool:
-        before = len(trace_lines(trace))  # the /health probe's step
-        waves = [pool.submit(generate, server, p, FIRST_NEW) for p in first]
-        decoding = wait_for_decode(trace, before, len(first))
-        waves += [pool.submit(generate, server, p, SECOND_NEW) for p in second]
-        outs = [w.result() for w in waves]
-    steps = trace_lines(trace)
+def pressured(pressure_run):
+    run = pressure_run["retraction"]
+    steps, second = run["steps"], run["prompts"][-len(SECOND_LENGTHS):]
     # How far the first wave got before the second was admitted (the margin of the set-up).
     starts = [i for i, s in enumerate(steps) if s["mode"] == "extend"
               and any(s["tok"][j:j + len(p[:CHUNK])] == p[:CHUNK] for p in second for j in range(len(s["tok"])))]
     lead = sum(1 for s in steps[: starts[0] if starts else len(steps)] if s["mode"] == "decode")
     print(f"retraction set-up: first wave decoded {lead} steps before the second wave's first prefill")
-    return {"prompts": first + second, "news": [FIRST_NEW] * len(first) + [SECOND_NEW] * len(second),
-            "outs": outs, "decoding": decoding, "lead": lead,
-            "log": (work / "sglang.log").read_text(errors="replace"), "steps": steps}
+    return {**run, "lead": lead}
 
 
 @pytest.fixture(scope="module")

@@ -81,10 +81,11 @@ class Run:
 
     def check_trace(self) -> dict:
         """Every traced token against the reference forward of the request it belongs to:
-        counts of tokens checked, wrong hash ids, wrong row checksums, unmatched records."""
+        counts of tokens checked, wrong hash ids, wrong row checksums (of those, the ones whose
+        hash ids are right), unmatched records."""
         ref = reference()
         forwards = {}
-        counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "unmatched": 0}
+        counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "sums_wrong_ids_right": 0, "unmatched": 0}
         for rec in trace_requests(self.trace):
             if rec["tok"] == [0] and rec["pos"] == [0]:
                 continue  # SGLang's /health probe
@@ -98,8 +99,11 @@ class Run:
                 forwards[key] = ref.forward(list(key))
             step = forwards[key]
             for i, layer in enumerate(ref.engram.layer_ids):
-                counts["ids_wrong"] += sum(a != b for a, b in zip(rec["ids"][str(layer)], step.hash_ids[lo:hi, i].tolist()))
-                counts["sums_wrong"] += sum(a != b for a, b in zip(rec["sum"][str(layer)], step.checksums[lo:hi, i].tolist()))
+                for id_got, id_want, sum_got, sum_want in zip(rec["ids"][str(layer)], step.hash_ids[lo:hi, i].tolist(),
+                                                              rec["sum"][str(layer)], step.checksums[lo:hi, i].tolist()):
+                    counts["ids_wrong"] += id_got != id_want
+                    counts["sums_wrong"] += sum_got != sum_want
+                    counts["sums_wrong_ids_right"] += id_got == id_want and sum_got != sum_want
             counts["tokens"] += hi - lo
         return counts
 
@@ -281,16 +285,20 @@ def test_an_out_of_range_token_id_fails_its_request_with_400_and_the_server_keep
 
 
 # ------------------------------------------------------------- negative controls
-@pytest.mark.parametrize("control, broken", [("corrupt-history", "ids_wrong"), ("skip-wait", "sums_wrong")])
-def test_negative_controls_are_caught(tmp_path_factory, control, broken):
-    """A server that hashes with a lost history, or reads rows without waiting for the
-    prefetch, must fail the same checks the real servers pass."""
+def test_negative_controls_are_caught(tmp_path_factory):
+    """One server with both controls: `corrupt-history` hashes with a lost history (the ids of
+    tokens whose n-grams reach back past their own prompt chunk are wrong), `skip-wait` reads
+    rows without waiting for the prefetch (every row is wrong). Each must fail the checks the
+    real servers pass, on its own: wrong hash ids, and wrong row checksums of tokens whose
+    hash ids are right (which a lost history alone cannot give)."""
     prompts = MIXED[2:5]
-    with Run(tmp_path_factory, control, placement="device", debug=control) as run:
+    with Run(tmp_path_factory, "controls", placement="device", debug="corrupt-history,skip-wait") as run:
         got = run.complete(prompts, [8] * len(prompts))
     counts = run.check_trace()
     assert got != [want(p, 8) for p in prompts]
-    assert counts[broken] > 0, counts
+    assert counts["unmatched"] == 0 and counts["tokens"] > 0, counts
+    assert counts["ids_wrong"] > 0, counts  # corrupt-history
+    assert counts["sums_wrong_ids_right"] > 0, counts  # skip-wait
 
 
 # ------------------------------------------------------------------ start-up
