@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -63,6 +64,7 @@ class Run:
                              log_path=self.work / "sglang.log")
         self.sent: list[list[int]] = []
         self.results: dict = {}
+        self.traced: Optional[int] = None  # the trace lines the checks cover (None: all)
 
     def __enter__(self) -> "Run":
         self.server.start()
@@ -86,7 +88,7 @@ class Run:
         ref = reference()
         forwards = {}
         counts = {"tokens": 0, "ids_wrong": 0, "sums_wrong": 0, "sums_wrong_ids_right": 0, "unmatched": 0}
-        for rec in trace_requests(self.trace):
+        for rec in trace_requests(self.trace, self.traced):
             if rec["tok"] == [0] and rec["pos"] == [0]:
                 continue  # SGLang's /health probe
             lo, hi = rec["pos"][0], rec["pos"][-1] + 1
@@ -108,7 +110,11 @@ class Run:
         return counts
 
     def steps(self) -> list[dict]:
-        return [json.loads(line) for line in self.trace.read_text().splitlines()]
+        return [json.loads(line) for line in self.trace.read_text().splitlines()[:self.traced]]
+
+    def stop_tracing_checks(self) -> None:
+        """Requests from here on are not this module's (their tokens are not in `sent`)."""
+        self.traced = len(self.trace.read_text().splitlines())
 
 
 def engram_samples(server) -> list:
@@ -142,6 +148,24 @@ def bad_id_requests(run: Run) -> list[tuple[int, str]]:
     return out
 
 
+def ablate_scores(server: Server, work: Path) -> dict:
+    """`engram-sglang ablate` against a real server: teacher-forced scores of held-out
+    documents (Engram on and off) and of question/answer pairs in each of their modes, sent
+    at once, and the pairs' report rows."""
+    from engram_sglang.tools.analysis import ablate
+    from engram_sglang.tools.analysis.inputs import documents, load_pairs
+    from engram_sglang.tools.analysis.scoring import ServerScorer
+    from tests.tools.test_ablate import CHUNK, CODE, write_pairs
+
+    tok = reference().tokenizer
+    pairs = load_pairs(write_pairs(work / "pairs.jsonl"), tok)
+    seqs = [(d, ("on", "off")) for d in documents(tok, CODE, CHUNK, max_docs=2)]
+    seqs += [(p.prompt + p.answer, ablate.pair_modes(p).values()) for p in pairs]
+    items = [(ids, m) for ids, modes in seqs for m in modes]
+    return {"items": items, "scores": ServerScorer(server.url, concurrency=len(items)).score(items),
+            "rows": ablate.score_pairs(ServerScorer(server.url), pairs)}
+
+
 def prefix_runs(run: Run) -> dict:
     """Long prompts, then prompts extending them (radix-cache hits: prefill starts mid-sequence)."""
     first = [run.generate(p, 12) for p in LONG]
@@ -153,11 +177,16 @@ def prefix_runs(run: Run) -> dict:
 # ------------------------------------------------------------------ server runs
 @pytest.fixture(scope="module")
 def device_run(tmp_path_factory):
-    with Run(tmp_path_factory, "device", placement="device") as run:
+    """Device placement with `--engram-ablation on` (requests without a mode are served with
+    Engram on); after this module's requests, `engram-sglang ablate`'s server scorer on the
+    same server (a server start costs ~20 s of the suite's two cores)."""
+    with Run(tmp_path_factory, "device", placement="device", ablation="on") as run:
         with ThreadPoolExecutor(N_MIXED) as pool:
             run.results["concurrent"] = [o["output_ids"] for o in pool.map(lambda a: run.generate(*a), zip(MIXED, MIXED_NEW))]
         run.results["prefix"] = prefix_runs(run)
         run.results["stats"] = run.server.engram_stats()
+        run.stop_tracing_checks()
+        run.results["ablate"] = ablate_scores(run.server, run.work)
     run.results["trace"] = run.check_trace()
     run.results["widest_step"] = max(len(set(s["req"])) for s in run.steps())
     return run.results
@@ -282,6 +311,29 @@ def test_an_out_of_range_token_id_fails_its_request_with_400_and_the_server_keep
         assert f"token id {bad} " in message and f"vocabulary of {vocab} tokens" in message, message
         assert "\n" not in message, message
     assert host_run["sequential"] == [want(p, n) for p, n in zip(MIXED[:12], MIXED_NEW[:12])]
+
+
+def test_ablate_server_scores_equal_the_reference_in_every_mode(device_run):
+    """`engram-sglang ablate` on a real server (--engram-ablation on): per document and mode,
+    the served teacher-forced bits equal the reference forward's up to the server's bf16
+    logits; Engram off and the answer window change them as they change the reference's."""
+    import numpy as np
+
+    from engram_sglang.tools.analysis.scoring import ReferenceScorer
+
+    scored = device_run["ablate"]
+    items, got = scored["items"], scored["scores"]
+    want = ReferenceScorer(None, reference=reference()).score(items)
+    for (ids, mode), g, w in zip(items, got, want):
+        g, w = np.array(g), np.array(w)
+        # Logits in bf16 round a logprob by up to ~1 nat where |logprob| is in the hundreds.
+        assert np.abs(g - w).max() <= 2.0, (mode, np.abs(g - w).max())
+        assert abs(g.sum() - w.sum()) <= 0.01 * abs(w.sum()), mode
+    on = {id(ids): g for (ids, mode), g in zip(items, got) if mode == "on"}
+    for (ids, mode), g in zip(items, got):
+        if mode != "on":  # the mode really reached the server's forward
+            assert sum(g) < sum(on[id(ids)]) - 1, (mode, sum(g), sum(on[id(ids)]))
+    assert {r["mode"] for r in scored["rows"]} == {"on", "answer-window", "off"}
 
 
 # ------------------------------------------------------------- negative controls

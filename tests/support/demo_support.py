@@ -8,6 +8,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from engram_sglang.tools.demo.model import TABLE_DIR_NAME, build_demo_model
 
@@ -37,13 +38,14 @@ def reference_completion(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tu
     return tuple(new)
 
 
-def trace_requests(path: Path) -> list[dict]:
-    """Group a trace into requests: a slot's tokens continue its current request while
-    their positions follow on (prefill chunks, decode steps); any other position (a new
-    request in the slot, possibly starting after a prefix-cache hit) starts a new one."""
+def trace_requests(path: Path, lines: Optional[int] = None) -> list[dict]:
+    """Group a trace (its first `lines` steps, default all) into requests: a slot's tokens
+    continue its current request while their positions follow on (prefill chunks, decode
+    steps); any other position (a new request in the slot, possibly starting after a
+    prefix-cache hit) starts a new one."""
     requests: list[dict] = []
     current: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text().splitlines()[:lines]:
         step = json.loads(line)
         for t, (slot, pos, tok) in enumerate(zip(step["req"], step["pos"], step["tok"])):
             if slot not in current or current[slot]["pos"][-1] + 1 != pos:

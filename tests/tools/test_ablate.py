@@ -1,5 +1,6 @@
-"""`engram-sglang ablate`: its statistics, its answer window, the reference scorer, bad inputs,
-and one real server scored against the reference forward in every mode."""
+"""`engram-sglang ablate`: its statistics, its answer window, the reference scorer and bad
+inputs. Its server scorer against a real server, in every mode, rides on the device server of
+tests/e2e/test_e2e_serving.py (test_ablate_server_scores_equal_the_reference_in_every_mode)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from engram_sglang.core.errors import EngramError
 from engram_sglang.tools.analysis import ablate, report
 from engram_sglang.tools.analysis.inputs import MIN_DOC_TOKENS, Pair, documents, load_pairs
-from engram_sglang.tools.analysis.scoring import ReferenceScorer, ServerScorer
+from engram_sglang.tools.analysis.scoring import ReferenceScorer
 from engram_sglang.tools.cli import main
 from tests.support.demo_support import demo_dir, reference
 
@@ -133,34 +133,3 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, capsys, case):
     assert err.count("\n") == 1 and err.startswith("engram-sglang: error: ")
     assert {"missing-domain": "nope.py: no such text file", "bad-pairs": "bad.jsonl:1:",
             "bad-domain-arg": "--domain takes NAME=FILE", "nothing": "nothing to score"}[case] in err
-
-
-# ------------------------------------------------------------------- a real server
-@pytest.mark.slow
-def test_server_scores_equal_the_reference_in_every_mode(tmp_path):
-    """One server (--engram-ablation on): per document and mode, the served teacher-forced
-    bits equal the reference forward's up to the server's bf16 logits; Engram off and the
-    answer window change them as they change the reference's."""
-    from engram_sglang.serving.launch import Server
-
-    tok = reference().tokenizer
-    docs = documents(tok, CODE, CHUNK, max_docs=2)
-    pairs = load_pairs(write_pairs(tmp_path / "p.jsonl"), tok)
-    ref = ReferenceScorer(None, reference=reference())
-    seqs = [(d, ("on", "off")) for d in docs] + [(p.prompt + p.answer, ablate.pair_modes(p).values()) for p in pairs]
-    items = [(ids, m) for ids, modes in seqs for m in modes]
-    want = ref.score(items)
-    with Server(demo_dir(), engram={"ablation": "on"}, max_total_tokens=4096,
-                log_path=tmp_path / "sglang.log") as server:
-        got = ServerScorer(server.url, concurrency=len(items)).score(items)
-        rows = ablate.score_pairs(ServerScorer(server.url), pairs)
-    for (ids, mode), g, w in zip(items, got, want):
-        g, w = np.array(g), np.array(w)
-        # Logits in bf16 round a logprob by up to ~1 nat where |logprob| is in the hundreds.
-        assert np.abs(g - w).max() <= 2.0, (mode, np.abs(g - w).max())
-        assert abs(g.sum() - w.sum()) <= 0.01 * abs(w.sum()), mode
-    on = {id(ids): g for (ids, mode), g in zip(items, got) if mode == "on"}
-    for (ids, mode), g in zip(items, got):
-        if mode != "on":  # the mode really reached the server's forward
-            assert sum(g) < sum(on[id(ids)]) - 1, (mode, sum(g), sum(on[id(ids)]))
-    assert {r["mode"] for r in rows} == {"on", "answer-window", "off"}
