@@ -195,6 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of `engram-sglang plan`: prints the plan; one-line error and exit code 2 on bad input."""
     if getattr(args, "rank", False):
         return _cmd_rank(args)
+    if getattr(args, "node_settings", False) or getattr(args, "shm_dir", node_pages.DEFAULT_SHM_DIR) != node_pages.DEFAULT_SHM_DIR:
+        print("engram-sglang plan: error: --node-settings and --shm-dir go with --rank", file=sys.stderr)
+        return 2
     try:
         result = plan(
             model=args.model,
@@ -251,7 +254,7 @@ def _rank_disk(args: argparse.Namespace) -> dict:
 def _cmd_rank(args: argparse.Namespace) -> int:
     """`plan --rank`: every layout of one node, best first, and the best's launch line; with
     --node-settings the pages this node gives and the choice it recommends."""
-    if args.node_settings is False and args.shm_dir != node_pages.DEFAULT_SHM_DIR:
+    if not args.node_settings and args.shm_dir != node_pages.DEFAULT_SHM_DIR:
         print("engram-sglang plan: error: --shm-dir needs --node-settings", file=sys.stderr)
         return 2
     try:

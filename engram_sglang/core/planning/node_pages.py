@@ -78,7 +78,7 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
     hold the shared copies; else remount the shm dir with huge=within_size."""
     shm, anon, d = node["shm"], node["anon"], node["shm_dir"]
     if shm["huge"]:
-        return {"choice": "shared copy", "why": f"{shm['memory']}: {shm['reason']}", "fix": ""}
+        return {"choice": "shared copy", "why": shm["reason"], "fix": ""}
     dram = node.get("mem_total_bytes")
     per_rank = [r for r in rows if r["placement"] == "host" and r["host_layout"] == "per_rank" and r["fits"]
                 and (dram is None or r["dram_bytes_per_node"] <= dram)]
