@@ -197,9 +197,10 @@ class Planner:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
         disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
                                      inputs.dram_cache_gib, inputs.step_ms)
-        disk_only = inputs.disk_iops is not None or inputs.measure_disk or inputs.dram_cache_gib
+        disk_only = (inputs.disk_iops is not None or inputs.measure_disk or inputs.dram_cache_gib
+                     or inputs.step_ms is not None)
         if inputs.placement != "disk" and (disk_only or (inputs.trace and inputs.placement != "host")):
-            raise PlannerError(f"--disk-iops, --measure-disk, --trace and --dram-cache-gib plan the disk placement; got "
+            raise PlannerError(f"--disk-iops, --measure-disk, --trace, --dram-cache-gib and --step-ms plan the disk placement; got "
                                f"--placement {inputs.placement} (pass --placement disk; --trace also plans the host "
                                f"placement's whole rows vs shard)")
 
