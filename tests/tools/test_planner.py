@@ -698,13 +698,17 @@ def test_node_pages_recommend_a_choice_from_dram_and_tp(capsys, monkeypatch):
     rows = _rank(capsys)
     table = plan(model=DSV41, gpu="H200", placement="host")["tables"]["total_bytes"]
     rec = lambda node: node_pages.recommend(node, rows, table)  # noqa: E731
-    assert rec(_node("within_size")) == {"choice": "shared copy", "why": "tmpfs /dev/shm has huge=within_size", "fix": ""}
+    assert rec(_node("within_size")) == {"choice": "shared copy", "why": "tmpfs /dev/shm has huge=within_size", "fix": "",
+                                         "also": ""}
     # 4K shm, THP madvise and DRAM for per-rank copies: private copies at the best per-rank TP, no root needed.
     got = rec(_node())
     assert got["choice"] == "per-rank private copies (TP4 x DP2)" and "--engram-host-shared off" in got["fix"]
-    # Too little DRAM for them (per-rank at TP8 still needs 189 GiB), free huge pages for both shared copies: hugetlbfs.
+    assert not got["also"]
+    # Too little DRAM for them (per-rank at TP8 still needs 189 GiB): the remount; free huge pages for both
+    # shared copies are named beside it, untested (hugetlbfs sizes files in whole huge pages only).
     got = rec(_node(total_gib=128, free=400 * 512))
-    assert got["choice"] == "shared copy on hugetlbfs" and "mount -t hugetlbfs -o pagesize=2M" in got["fix"]
+    assert got["choice"] == "shared copy after a remount" and "mount -t hugetlbfs -o pagesize=2M" in got["also"]
+    assert "untested" in got["also"] and not rec(_node(total_gib=128, free=100 * 512))["also"]
     # Neither: remount the shm dir with huge=within_size, thp.py's fix.
     got = rec(_node(enabled="always madvise [never]"))
     assert got["fix"].startswith("mount -o remount,huge=within_size /dev/shm")

@@ -97,7 +97,7 @@ def legend(rows: list[dict[str, Any]]) -> list[str]:
             f"disk ms: exposed read time per decode step, eager/staged (eager: decode graphs off, reads hidden behind "
             f"the {disk['lead_ms']:g} ms lead, what the launch line gives; staged: --engram-disk-graphs on "
             f"--disable-overlap-schedule, all of the reads before each replay), batch {disk['batch']}, "
-            f"DRAM row cache {disk['dram_cache_gib']:g} GiB per rank (--dram-cache-gib; its default, as "
+            f"DRAM row cache {disk['dram_cache_gib']:g} GiB per rank (--dram-cache-gib; default 0, as "
             f"--engram-disk-dram-cache-mib's), hot-row cache as --cache-gib",
             f"  disk: {disk['iops']:,.0f} IOPS per replica ({disk['iops_source']}); "
             f"{disk['latency_ms']:g} ms a read ({disk['latency_source']})",
@@ -131,6 +131,8 @@ def format_rows(rows: list[dict[str, Any]], advice: Optional[dict[str, str]] = N
         lines += ["", f"Pages on this node: {advice['choice']}: {advice['why']}"]
         if advice["fix"]:
             lines.append(f"  fix: {advice['fix']}")
+        if advice["also"]:
+            lines.append(f"  also: {advice['also']}")
     if rows:
         b = rows[0]
         lines += ["", f"Launch the best (TP{b['tp']} x DP{b['dp']}, {b['placement']}"
