@@ -177,7 +177,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace steps that only warm the caches (default: the first half)")
     d.add_argument("--step-ms", type=float, default=None,
                    help=f"a decode step's time, which the exposed reads are held against: a disk layout ranks only "
-                        f"while they stay within {disk_model.STEP_BUDGET_SHARE:.0%} of it (default "
+                        f"while they stay within {disk_model.STEP_BUDGET_SHARE * 100:g}%% of it (default "
                         f"{disk_model.DEFAULT_STEP_MS:g} ms, an assumption)")
     p.add_argument("--rank", action="store_true",
                    help="rank the node's layouts (TP x DP, placement, host layout; disk at "

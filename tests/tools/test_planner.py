@@ -665,6 +665,14 @@ def test_rank_flags_errors_are_one_line(capsys, argv, want):
     assert want in err and err.count("\n") == 1
 
 
+def test_help_names_the_rank_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "within 10% of it" in out
+    assert all(f in out for f in ("--step-ms", "--node-settings", "--shm-dir", "--disk-iops"))
+
+
 # The node's files as text (tests/core/test_thp.py's way): never this machine's settings.
 def _node(huge="", fstype="tmpfs", enabled="always [madvise] never", shmem="always within_size advise [never] deny force",
           free=0, total_gib=2048):
