@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 from ..core.errors import EngramError
 from ..core.placement_table import PLACEMENT_TABLE, PLACEMENTS
 from ..core.planning import disk as disk_model
-from ..core.planning import layouts
+from ..core.planning import layouts, node_pages
 from ..core.planning.data import (
     GIB,
     MAX_GIB,
@@ -175,8 +175,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--batch", type=int, default=64, help="decode batch (requests per step; default 64)")
     d.add_argument("--warm-steps", type=int, default=None,
                    help="trace steps that only warm the caches (default: the first half)")
+    d.add_argument("--step-ms", type=float, default=None,
+                   help=f"a decode step's time, which the exposed reads are held against: a disk layout ranks only "
+                        f"while they stay within {disk_model.STEP_BUDGET_SHARE * 100:g}%% of it (default "
+                        f"{disk_model.DEFAULT_STEP_MS:g} ms, an assumption)")
     p.add_argument("--rank", action="store_true",
-                   help="rank the node's layouts (TP x DP, placement, host layout) and print the best's launch line")
+                   help="rank the node's layouts (TP x DP, placement, host layout; disk at "
+                        f"{disk_model.DEFAULT_IOPS:,.0f} IOPS unless --disk-iops or --measure-disk) and print the best's "
+                        "launch line")
+    p.add_argument("--node-settings", action="store_true",
+                   help="with --rank: read this node's huge-page settings (THP enabled and shmem_enabled, the "
+                        "--shm-dir mount's huge=, free hugetlbfs pages) for the pages column and recommend a choice")
+    p.add_argument("--shm-dir", default=node_pages.DEFAULT_SHM_DIR, metavar="DIR",
+                   help="with --node-settings: the server's --engram-shm-dir (default /dev/shm)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -184,6 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Handler of `engram-sglang plan`: prints the plan; one-line error and exit code 2 on bad input."""
     if getattr(args, "rank", False):
         return _cmd_rank(args)
+    if getattr(args, "node_settings", False) or getattr(args, "shm_dir", node_pages.DEFAULT_SHM_DIR) != node_pages.DEFAULT_SHM_DIR:
+        print("engram-sglang plan: error: --node-settings and --shm-dir go with --rank", file=sys.stderr)
+        return 2
     try:
         result = plan(
             model=args.model,
@@ -208,6 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             lead_ms=args.lead_ms,
             batch=args.batch,
             warm_steps=args.warm_steps,
+            step_ms=args.step_ms,
             nnodes=args.nnodes,
         )
     except EngramError as e:
@@ -220,8 +235,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_disk(args: argparse.Namespace) -> dict:
+    """The disk rows' inputs: the disk given or measured once (one source for every row), else
+    the assumed NVMe (layouts.DEFAULT_DISK)."""
+    disk = dict(layouts.DEFAULT_DISK)
+    if args.measure_disk:
+        m = disk_model.measure_disk(args.measure_disk)
+        disk = {"disk_iops": m["iops"], "iops_source": f"measured on {args.measure_disk} by {m['tool']}",
+                "disk_latency_ms": m["latency_ms"]}
+    elif args.disk_iops is not None:
+        disk = {"disk_iops": args.disk_iops, "iops_source": "--disk-iops"}
+    if args.disk_latency_ms is not None:
+        disk["disk_latency_ms"] = args.disk_latency_ms
+    return {**disk, "dram_cache_gib": args.dram_cache_gib, "trace": args.trace, "lead_ms": args.lead_ms,
+            "batch": args.batch, "warm_steps": args.warm_steps, "step_ms": args.step_ms}
+
+
 def _cmd_rank(args: argparse.Namespace) -> int:
-    """`plan --rank`: every layout of one node, best first, and the best's launch line."""
+    """`plan --rank`: every layout of one node, best first, and the best's launch line; with
+    --node-settings the pages this node gives and the choice it recommends."""
+    if not args.node_settings and args.shm_dir != node_pages.DEFAULT_SHM_DIR:
+        print("engram-sglang plan: error: --shm-dir needs --node-settings", file=sys.stderr)
+        return 2
     try:
         sku = gpu_sku(args.gpu)
 
@@ -230,12 +265,18 @@ def _cmd_rank(args: argparse.Namespace) -> int:
                         kv_bytes_per_token=args.kv_bytes_per_token, weights_gib=args.weights_gib,
                         reserve_gib=args.reserve_gib, min_kv_tokens=args.min_kv_tokens, **kw)
 
-        heads = run(tp=1, placement="host")["model"]["attention_heads"]
-        rows = layouts.rank(run, valid_tps(heads), sku.gpus_per_node)
+        first = run(tp=1, placement="host")
+        node = node_pages.probe(args.shm_dir) if args.node_settings else None
+        rows = layouts.rank(run, valid_tps(first["model"]["attention_heads"]), sku.gpus_per_node,
+                            disk=_rank_disk(args), node=node)
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=2) if args.json else "\n".join(layouts.format_rows(rows)))
+    advice = None if node is None else node_pages.recommend(node, rows, first["tables"]["total_bytes"])
+    if args.json:
+        print(json.dumps(rows if node is None else {"layouts": rows, "node": node, "recommend": advice}, indent=2))
+    else:
+        print("\n".join(layouts.format_rows(rows, advice)))
     return 0
 
 

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from ..core.config import PLACEMENTS
 from ..core.planning.data import GIB
+from ..core.planning.disk import STEP_BUDGET_SHARE
 
 
 def _fmt_gib(b: Optional[float], signed: bool = False) -> str:
@@ -166,6 +167,9 @@ def _disk(p: dict) -> list[str]:
         f"  {'exposed, prefetch (lead ' + format(d['lead_ms'], 'g') + ' ms hidden)':<38}"
         f"{st['exposed_ms_prefetch']:>10.2f} ms",
         _staged_line(p["decode_graphs"]["disk"], st),
+        f"  {'step budget (exposed, prefetch)':<38}{d['budget_ms']:>10.2f} ms   "
+        f"{'within' if d['within_budget'] else 'OVER'}: {STEP_BUDGET_SHARE:.0%} of a {d['step_ms']:g} ms decode step "
+        f"(plan --rank ranks a disk layout only within it)",
         f"  {'DRAM cache per rank, GiB':<38}" + "".join(f"{c['dram_cache_gib']:>9g}" for c in d["by_dram_cache"]),
         f"  {'  hit rate':<38}" + "".join(f"{c['hit_rate']:>9.1%}" for c in d["by_dram_cache"]),
         f"  {'  exposed ms, prefetch':<38}" + "".join(f"{c['exposed_ms_prefetch']:>9.2f}" for c in d["by_dram_cache"]),
@@ -178,5 +182,6 @@ def _disk(p: dict) -> list[str]:
         f"{_fmt_gib(host['disk_dram_cache_bytes_per_node'])})",
         f"  IOPS: {d['iops_source']}; latency: {d['latency_source']}",
         f"  lead: {d['lead_source']}",
+        f"  step: {d['step_source']}",
         f"  hit rates: {d['curve_source']}",
     ]

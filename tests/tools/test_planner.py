@@ -540,7 +540,9 @@ def test_bad_disk_inputs_are_one_line(tmp_path, capsys):
         (dict(lead_ms=-1), "--lead-ms must be a number from 0"),
         (dict(disk_latency_ms=float("inf")), "--disk-latency-ms must be a number"),
         (dict(dram_cache_gib=-2), "--dram-cache-gib must be a number from 0"),
-        (dict(placement="host"), "--disk-iops, --measure-disk, --trace and --dram-cache-gib plan the disk placement"),
+        (dict(placement="host"), "--disk-iops, --measure-disk, --trace, --dram-cache-gib and --step-ms plan the disk"),
+        (dict(placement="host", disk_iops=None, step_ms=30), "plan the disk placement; got --placement host"),
+        (dict(step_ms=0), "--step-ms must be a number from"),
         (dict(placement="device", disk_iops=None, dram_cache_gib=1), "plan the disk placement; got --placement device"),
         (dict(trace=str(tmp_path / "none.npz")), "no such trace file"),
         (dict(trace=str(path)), "its row ids mean other n-grams"),
@@ -618,3 +620,112 @@ def test_rank_lists_every_node_layout_best_first_with_its_launch_line(capsys):
     assert f"--tp-size {best['tp']} " in best["launch"]["command"]
     assert main(["--model", "deepseek-v4.1-flash", "--gpu", "H200", "--rank"]) == 0
     assert best["launch"]["command"] in capsys.readouterr().out
+
+
+def _rank(capsys, *extra):
+    assert main(["--model", DSV41, "--gpu", "H200", "--rank", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rank_lists_disk_rows_fitting_only_within_the_step_budget(capsys):
+    """Disk rows carry their exposed read time (eager and staged) at the stated disk and step;
+    they fit only within the step budget and, at equal KV tokens, rank after host rows."""
+    from engram_sglang.core.planning import disk
+
+    rows = _rank(capsys)  # no disk given: the assumed NVMe, no DRAM cache: 2.55 ms exposed > 2 ms
+    tp4 = next(r for r in rows if r["placement"] == "disk" and r["tp"] == 4)
+    st = tp4["disk_step"]
+    assert st["iops"] == disk.DEFAULT_IOPS and "assumption" in st["iops_source"] and "assumption" in st["step_source"]
+    assert st["budget_ms"] == pytest.approx(disk.STEP_BUDGET_SHARE * disk.DEFAULT_STEP_MS)
+    assert st["exposed_ms_staged"] == pytest.approx(st["read_ms"]) and st["exposed_ms"] == pytest.approx(st["read_ms"] - 0.5)
+    assert st["exposed_ms"] > st["budget_ms"] and not tp4["fits"] and tp4["decode_graphs"] == "opt-in"
+    assert all(r["disk_step"] is None and r["decode_graphs"] == "yes" for r in rows if r["placement"] != "disk")
+    # A DRAM row cache (or a longer step) brings it within budget: it fits, after the host rows of its KV.
+    rows = _rank(capsys, "--dram-cache-gib", "16", "--disk-iops", "2e6")
+    tp4 = next(r for r in rows if r["placement"] == "disk" and r["tp"] == 4)
+    assert tp4["fits"] and tp4["disk_step"]["iops_source"] == "--disk-iops"
+    assert "ENGRAM_DISK_DRAM_CACHE_MIB=16384" in tp4["launch"]["command"]
+    order = [(r["tp"], r["placement"]) for r in rows]
+    assert order.index((4, "host")) < order.index((4, "disk")) and rows[0]["placement"] == "host"
+    assert next(r for r in _rank(capsys, "--step-ms", "100") if r["placement"] == "disk" and r["tp"] == 4)["fits"]
+    assert main(["--model", DSV41, "--gpu", "H200", "--rank"]) == 0
+    out = capsys.readouterr().out
+    assert "1,000,000 IOPS per replica (assumption" in out and "10% of a 20 ms decode step" in out
+    assert "disk: opt-in: " in out and "--disable-overlap-schedule" in out
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--rank", "--step-ms", "0"], "--step-ms"),
+    (["--node-settings"], "--node-settings and --shm-dir go with --rank"),
+    (["--rank", "--shm-dir", "/mnt/x"], "--shm-dir needs --node-settings"),
+])
+def test_rank_flags_errors_are_one_line(capsys, argv, want):
+    assert main(["--model", DSV41, "--gpu", "H200", *argv]) == 2
+    err = capsys.readouterr().err
+    assert want in err and err.count("\n") == 1
+
+
+def test_help_names_the_rank_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "within 10% of it" in out
+    assert all(f in out for f in ("--step-ms", "--node-settings", "--shm-dir", "--disk-iops"))
+
+
+# The node's files as text (tests/core/test_thp.py's way): never this machine's settings.
+def _node(huge="", fstype="tmpfs", enabled="always [madvise] never", shmem="always within_size advise [never] deny force",
+          free=0, total_gib=2048):
+    from engram_sglang.core.planning import node_pages
+
+    opts = "rw,size=400g" + (f",huge={huge}" if huge else "")
+    mountinfo = (f"27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+                 f"25 24 0:23 / /dev/shm rw,relatime shared:5 - {fstype} {fstype} {opts}\n")
+    meminfo = (f"MemTotal:       {total_gib << 20} kB\nHugePages_Total:   {free}\nHugePages_Free:    {free}\n"
+               f"Hugepagesize:       2048 kB\n")
+    return node_pages.node_pages("/dev/shm", mountinfo, shmem, enabled, meminfo)
+
+
+def test_node_pages_label_the_pages_column():
+    from engram_sglang.core.planning import node_pages
+
+    assert node_pages.label("host", "shared", None) == "4K shm"
+    assert node_pages.label("host", "shared", _node()) == "4K shm (huge=never)"
+    assert node_pages.label("host", "shared", _node("within_size")) == "2M shm (huge=within_size)"
+    assert node_pages.label("host", "shared", _node("within_size", shmem="[deny]")) == "4K shm (deny)"
+    assert node_pages.label("host", "shared", _node(fstype="hugetlbfs")) == "2M hugetlbfs"
+    assert node_pages.label("host", "per_rank", _node()) == "2M anon (madvise)"
+    assert node_pages.label("host", "per_rank", _node(enabled="always madvise [never]")) == "4K anon (never)"
+    assert node_pages.label("disk", "shared", _node()) == "4K page cache"
+    assert _node(free=1000)["hugetlb_free_bytes"] == 1000 * 2 * 2**20
+
+
+def test_node_pages_recommend_a_choice_from_dram_and_tp(capsys, monkeypatch):
+    from engram_sglang.core.planning import node_pages
+
+    rows = _rank(capsys)
+    table = plan(model=DSV41, gpu="H200", placement="host")["tables"]["total_bytes"]
+    rec = lambda node: node_pages.recommend(node, rows, table)  # noqa: E731
+    assert rec(_node("within_size")) == {"choice": "shared copy", "why": "tmpfs /dev/shm has huge=within_size", "fix": "",
+                                         "also": ""}
+    # 4K shm, THP madvise and DRAM for per-rank copies: private copies at the best per-rank TP, no root needed.
+    got = rec(_node())
+    assert got["choice"] == "per-rank private copies (TP4 x DP2)" and "--engram-host-shared off" in got["fix"]
+    assert not got["also"]
+    # Too little DRAM for them (per-rank at TP8 still needs 189 GiB): the remount; free huge pages for both
+    # shared copies are named beside it, untested (hugetlbfs sizes files in whole huge pages only).
+    got = rec(_node(total_gib=128, free=400 * 512))
+    assert got["choice"] == "shared copy after a remount" and "mount -t hugetlbfs -o pagesize=2M" in got["also"]
+    assert "untested" in got["also"] and not rec(_node(total_gib=128, free=100 * 512))["also"]
+    # Neither: remount the shm dir with huge=within_size, thp.py's fix.
+    got = rec(_node(enabled="always madvise [never]"))
+    assert got["fix"].startswith("mount -o remount,huge=within_size /dev/shm")
+    # On the command line: the pages column and the advice from the probed node (here fixture text).
+    monkeypatch.setattr(node_pages, "probe", lambda shm_dir: _node(enabled="always madvise [never]"))
+    assert main(["--model", DSV41, "--gpu", "H200", "--rank", "--node-settings"]) == 0
+    out = capsys.readouterr().out
+    assert "4K shm (huge=never)" in out and "4K anon (never)" in out
+    assert "Pages on this node: shared copy after a remount" in out and "fix: mount -o remount,huge=within_size /dev/shm" in out
+    monkeypatch.setattr(node_pages, "probe", lambda shm_dir: _node("always"))
+    doc = _rank(capsys, "--node-settings")
+    assert doc["recommend"]["choice"] == "shared copy" and doc["layouts"][0]["pages"] == "2M shm (huge=always)"

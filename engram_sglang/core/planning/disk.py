@@ -52,6 +52,15 @@ MAINTAIN_EVERY = 8  # the hot-row cache's maintenance period (stores/maintenance
 DEFAULT_CURVE = ((0.001, 0.227), (0.01, 0.423), (0.1, 0.639), (1.0, 1.0))
 DEFAULT_UNIQUE = 0.96  # distinct ids per id in a decode step (bench/tiers.py --part pipeline, batch 256)
 DEFAULT_LATENCY_MS = 0.1  # one 4 KiB random read on a datacenter NVMe SSD at low queue depth (assumption)
+# Where no disk was measured or given (`plan --rank` only; a single disk plan asks for one):
+# one datacenter PCIe Gen4 NVMe SSD per replica at its rated 4 KiB random reads, queue depth 64+
+# (an assumption; DGX-class 8-GPU nodes carry 8 such drives).
+DEFAULT_IOPS = 1_000_000.0
+# A DeepSeek-V4.1-Flash decode step at batch 64 on Hopper-class GPUs (an assumption, not measured
+# here: `--step-ms` sets it), and the share of it a disk layout's exposed reads may add and still rank.
+DEFAULT_STEP_MS = 20.0
+STEP_BUDGET_SHARE = 0.10
+MAX_STEP_MS = 1e5
 
 
 # ------------------------------------------------------------------------ traces
@@ -236,7 +245,8 @@ def measure_disk(path: str | os.PathLike, seconds: float = 3.0, depth: int = 64)
 
 
 # ------------------------------------------------------------------------ prediction
-def check_disk_inputs(iops: Any, latency_ms: Any, lead_ms: Any, batch: Any, dram_cache_gib: Any) -> None:
+def check_disk_inputs(iops: Any, latency_ms: Any, lead_ms: Any, batch: Any, dram_cache_gib: Any,
+                      step_ms: Any = None) -> None:
     """One line for any out-of-range disk-plan input."""
     if iops is not None:
         bounded(iops, "--disk-iops", 1, MAX_IOPS)
@@ -246,6 +256,13 @@ def check_disk_inputs(iops: Any, latency_ms: Any, lead_ms: Any, batch: Any, dram
         bounded(lead_ms, "--lead-ms", 0, MAX_LEAD_MS)
     bounded(batch, "--batch", 1, MAX_BATCH, whole=True)
     bounded(dram_cache_gib, "--dram-cache-gib", 0, 1 << 20)
+    if step_ms is not None:
+        bounded(step_ms, "--step-ms", 1e-3, MAX_STEP_MS)
+
+
+def step_budget_ms(step_ms: float) -> float:
+    """The exposed read time a disk layout may add to a decode step of `step_ms` and still rank."""
+    return STEP_BUDGET_SHARE * step_ms
 
 
 def read_time_ms(misses: float, iops: float, latency_ms: float) -> float:

@@ -21,11 +21,13 @@ def sglang_args(tp: int, nnodes: int = 1) -> list[str]:
     return args + ["--trust-remote-code"]
 
 
-def engram_env(placement: str, host_layout: str, hot_cache_gib: float) -> dict[str, str]:
+def engram_env(placement: str, host_layout: str, hot_cache_gib: float, dram_cache_bytes: int = 0) -> dict[str, str]:
     """The `ENGRAM_*` variables of a layout (the knobs in engram_sglang/serving/settings.py)."""
     env = {"ENGRAM_PLACEMENT": placement, "ENGRAM_TABLE_DIR": "/tables"}
     if placement == "host":
         env["ENGRAM_HOST_SHARED"] = "1" if host_layout == "shared" else "0"
+    if placement == "disk" and dram_cache_bytes:  # the DRAM row cache the disk step was planned with
+        env["ENGRAM_DISK_DRAM_CACHE_MIB"] = str(dram_cache_bytes // (1 << 20))
     if hot_cache_gib:
         env["ENGRAM_CACHE_MIB"] = str(int(hot_cache_gib * 1024))
     return env
@@ -46,7 +48,8 @@ def launch(p: dict[str, Any], nnodes: int = 1) -> dict[str, Any]:
     """The launch line of plan `p` (its TP, placement, host layout and hot-row cache)."""
     g = p["gpu"]
     shm = p["dev_shm"]["docker_shm_size"]
-    env = engram_env(p["placement"], p["host_layout"], p.get("hot_cache_gib", 0.0))
+    env = engram_env(p["placement"], p["host_layout"], p.get("hot_cache_gib", 0.0),
+                     (p.get("disk") or {}).get("dram_cache_bytes_per_rank", 0))
     flags = sglang_args(p["tp"], nnodes)
     docker = docker_options(g["vendor"], shm)
     image = IMAGES.get(g["arch"], CUDA_IMAGE)

@@ -75,6 +75,8 @@ class PlanInputs:
     lead_ms: Optional[float] = None
     batch: int = 64
     warm_steps: Optional[int] = None
+    step_ms: Optional[float] = None  # the decode step the exposed reads are held against (None: disk.py's default)
+    iops_source: Optional[str] = None  # where --disk-iops came from, when not the user (plan --rank's default, a measure)
     # Nodes of the deployment (SGLang's --nnodes): TP may span gpus_per_node x nnodes GPUs.
     nnodes: int = 1
 
@@ -194,10 +196,11 @@ class Planner:
         if inputs.min_kv_tokens is not None and inputs.min_kv_tokens > MAX_TOKENS:
             raise PlannerError(f"--min-kv-tokens must be at most {MAX_TOKENS} (2^40), got {inputs.min_kv_tokens}")
         disk_model.check_disk_inputs(inputs.disk_iops, inputs.disk_latency_ms, inputs.lead_ms, inputs.batch,
-                                     inputs.dram_cache_gib)
-        disk_only = inputs.disk_iops is not None or inputs.measure_disk or inputs.dram_cache_gib
+                                     inputs.dram_cache_gib, inputs.step_ms)
+        disk_only = (inputs.disk_iops is not None or inputs.measure_disk or inputs.dram_cache_gib
+                     or inputs.step_ms is not None)
         if inputs.placement != "disk" and (disk_only or (inputs.trace and inputs.placement != "host")):
-            raise PlannerError(f"--disk-iops, --measure-disk, --trace and --dram-cache-gib plan the disk placement; got "
+            raise PlannerError(f"--disk-iops, --measure-disk, --trace, --dram-cache-gib and --step-ms plan the disk placement; got "
                                f"--placement {inputs.placement} (pass --placement disk; --trace also plans the host "
                                f"placement's whole rows vs shard)")
 
@@ -470,7 +473,7 @@ class Planner:
             latency = measured["latency_ms"] if inp.disk_latency_ms is None else inp.disk_latency_ms
             lat_src = iops_src if inp.disk_latency_ms is None else "--disk-latency-ms"
         else:
-            iops, iops_src = float(inp.disk_iops), "--disk-iops"
+            iops, iops_src = float(inp.disk_iops), inp.iops_source or "--disk-iops"
             latency = disk_model.DEFAULT_LATENCY_MS if inp.disk_latency_ms is None else inp.disk_latency_ms
             lat_src = ("assumption: one 4 KiB random read on a datacenter NVMe SSD at low queue depth; "
                        "--disk-latency-ms or --measure-disk sets it") if inp.disk_latency_ms is None else "--disk-latency-ms"
@@ -480,6 +483,11 @@ class Planner:
             lead, lead_src = self.facts.decode_lead_ms, self.facts.sources.get("decode_lead_ms", "model facts")
         else:
             lead, lead_src = 0.0, "unknown for this model: 0 (nothing hidden); pass --lead-ms"
+        if inp.step_ms is not None:
+            step_ms, step_src = float(inp.step_ms), "--step-ms"
+        else:
+            step_ms, step_src = disk_model.DEFAULT_STEP_MS, ("assumption: a DeepSeek-V4.1-Flash decode step at batch 64 "
+                                                           "on Hopper-class GPUs, not measured; --step-ms sets it")
         hot = per["disk"]["hot_cache_bytes"]
         dram = int(round(inp.dram_cache_gib * GIB))
         # A rank reads its own row-range shard of every layer, with its own caches: by the
@@ -507,6 +515,9 @@ class Planner:
             "lead_ms": lead, "lead_source": lead_src, "batch": inp.batch,
             "dram_cache_bytes_per_rank": dram, "hot_cache_bytes_per_rank": hot,
             "step": step,
+            # The exposed reads against the step they slow: within budget, a disk layout may rank.
+            "step_ms": step_ms, "step_source": step_src, "budget_ms": disk_model.step_budget_ms(step_ms),
+            "within_budget": step["exposed_ms_prefetch"] <= disk_model.step_budget_ms(step_ms),
             "by_dram_cache": sweep,
             "curve_source": (f"replay of {inp.trace} through RowDirectory (hot-row cache) and DramRowCache "
                              f"(the stores' classes), first {step['per_layer'][str(self.cfg.layer_ids[0])].get('warm_steps')} "
