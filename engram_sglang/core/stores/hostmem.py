@@ -9,6 +9,7 @@ the GPU runtime so kernels read it over UVA.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -49,15 +50,15 @@ def thp_mode(knob: str = "enabled") -> str:
     return thp.active_mode(thp.read_knob(knob))
 
 
-def huge_page_report(address: int, shmem: bool) -> HugePageReport:
+def huge_page_report(address: int, shmem: bool, smaps: Optional[str] = None) -> HugePageReport:
     """Resident and huge-page-backed KiB of the mapping holding `address`, from smaps:
     the only evidence that the kernel really handed out huge pages. A hugetlbfs mapping's pages
     are not in its Rss: they are its Shared_Hugetlb and Private_Hugetlb, all huge."""
     mapped = huge = page = 0
     inside = False
     keys = ("ShmemPmdMapped", "FilePmdMapped") if shmem else ("AnonHugePages",)
-    with open("/proc/self/smaps") as f:
-        for line in f:
+    with (open("/proc/self/smaps") if smaps is None else contextlib.nullcontext(smaps.splitlines())) as lines:
+        for line in lines:
             m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
             if m:
                 if inside:
