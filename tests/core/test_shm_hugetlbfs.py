@@ -200,7 +200,7 @@ except EngramError as e:
     out["refused"] = str(e)
 # Past that check (another server took the pages meanwhile): the fill's mapping is refused, one line
 from engram_sglang.core.stores import hostmem
-hostmem.shm_free_bytes = lambda d, page=None: 1 << 40
+hostmem.hugetlbfs_free_bytes = lambda d, page: 1 << 40
 try:
     open_(small, shared="require")
     out["fill_refused"] = None

@@ -182,12 +182,15 @@ def fill_from_file(dst, source: Path, offset: int, nbytes: int, progress=None, i
         view.release()
 
 
-def shm_free_bytes(shm_dir: Path, huge_page: Optional[int] = None) -> int:
-    """Room for a shared copy in `shm_dir`; on hugetlbfs (`huge_page`: its page size) the free
+def shm_free_bytes(shm_dir: Path) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def hugetlbfs_free_bytes(shm_dir: Path, huge_page: int) -> int:
+    """Room for a shared copy in hugetlbfs `shm_dir` (of pages of `huge_page` bytes): the free
     huge pages of that size nobody has reserved, within the mount's size= limit if it has one."""
     st = os.statvfs(shm_dir)
-    if not huge_page:
-        return st.f_bavail * st.f_frsize
     free, reserved = hugetlb_pool(huge_page)
     return hugetlb_free_bytes(huge_page, free, reserved, st.f_blocks, st.f_bavail)
 
