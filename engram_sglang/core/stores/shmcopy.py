@@ -544,8 +544,8 @@ class SharedCopy:
 
     `fill(mapping, progress)` writes nbytes of rows into a writable mapping (HostTable's
     loader); `advise(mapping)` asks for huge pages. On hugetlbfs the file and `map` are
-    `size` bytes (nbytes rounded up to the mount's page size; the rest zero, never served). `how` says whether it was filled, checked
-    or found in use by a running server. `read_only=False` serves a writable mapping: only for
+    `size` bytes (nbytes rounded up to the mount's page size; the rest zero, never served).
+    `how` says whether it was filled, checked or found in use by a running server. `read_only=False` serves a writable mapping: only for
     a GPU that cannot register read-only memory."""
 
     def __init__(self, spec: Spec, fill: Callable[[mmap.mmap, Callable[[int], None]], None],
@@ -635,7 +635,7 @@ class SharedCopy:
             try:
                 advise(writable)
                 # tmpfs keeps a shared mapping's policy with the file: fallocate and every rank's
-                # later mapping get pages by it.
+                # later mapping get pages by it (hugetlbfs does not: see below).
                 numa.bind(writable, self.spec.binding)
                 # All pages now, so a full /dev/shm or NUMA node fails here, not in a page fault (on
                 # hugetlbfs a SIGBUS). hugetlbfs's fallocate takes its pages by this thread's policy,
