@@ -77,7 +77,13 @@ class HostStore(WholeTableStore):
             if not shm_dir.is_dir():  # a typo must not quietly cost one copy per rank
                 raise EngramError(f"{shm_dir}: the shared host table's directory (ENGRAM_SHM_DIR) does not exist or is "
                                   f"not a directory; give an existing tmpfs such as /dev/shm, or turn sharing off")
-            free = hostmem.shm_free_bytes(shm_dir)
+            # hugetlbfs: huge pages by construction, the file whole pages of the mount's size, the
+            # room the pool's unreserved free pages (a fill beyond them would fault, not fail).
+            page = shmcopy.huge_page_bytes(shm_dir)
+            need = shmcopy.copy_bytes(need, page)
+            free = hostmem.hugetlbfs_free_bytes(shm_dir, page) if page else hostmem.shm_free_bytes(shm_dir)
+            fix = (hostmem.hugetlb_room_text(shm_dir, need, page) if page else
+                   f"give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host")
             candidate = copy_spec(self.binding)
             shmcopy.check_kinds(candidate.path)
             # A fill in progress (another rank's `.tmp`) has taken its memory already: it is this copy's.
@@ -91,12 +97,11 @@ class HostStore(WholeTableStore):
                     raise EngramConfigError(
                         f"engram layer {layer_id}: {shm_dir} has {free / 2**30:.2f} GiB free but the shared table "
                         f"needs {need / 2**30:.2f} GiB, and --engram-host-shared require (ENGRAM_HOST_SHARED) refuses "
-                        f"a private copy per rank: give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host, or "
-                        f"use --engram-host-shared on to fall back; {spare}")
+                        f"a private copy per rank: {fix}; or use --engram-host-shared on to fall back; {spare}")
                 logger.warning(
                     "engram layer %d: %s has %.2f GiB free but the shared table needs %.2f GiB: keeping a private "
-                    "copy of this rank's rows instead (give Docker --shm-size=%dg or --ipc=host for one copy per "
-                    "node); %s", layer_id, shm_dir, free / 2**30, need / 2**30, -(-need // 2**30) + 1, spare,
+                    "copy of this rank's rows instead (for one copy per node: %s); %s", layer_id, shm_dir,
+                    free / 2**30, need / 2**30, fix, spare,
                 )
         self.shm_dir = Path(shm_dir)
         self.fell_back = bool(shared) and spec is None  # asked to share, kept a private copy (start_up_warning)
@@ -221,7 +226,9 @@ class HostStore(WholeTableStore):
         small, plan = self.small_pages, self.pages
         s.update(shared=self.shared, registered=self.memory.registered, numa=self.binding.tag or "off",
                  huge_page_coverage=self.huge.coverage if self.measured else None,  # None: nothing resident
-                 page_size_kib=None if small is None else (mmap.PAGESIZE if small else hostmem.HUGE_PAGE) >> 10,
+                 page_size_kib=None if small is None else (
+                     self.huge.page_kib if self.huge.page_kib > 4 else  # hugetlbfs: smaps' KernelPageSize
+                     (mmap.PAGESIZE if small else hostmem.HUGE_PAGE) >> 10),
                  pages_measured=self.measured, page_memory=plan.memory, mount_huge=plan.huge_option or None,
                  shmem_enabled=plan.shmem_enabled or None, thp_enabled=plan.thp_enabled or None,
                  page_fix=self.page_fix() or None, reads_in_address_order=self.sorted_reads)

@@ -22,6 +22,7 @@ not needed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -46,6 +47,7 @@ MAX_NODES = 1024  # the kernel's NODES_SHIFT is at most 10
 _MASK_WORDS = MAX_NODES // 64 + 1
 # (mbind, get_mempolicy): arch/x86/entry/syscalls/syscall_64.tbl; include/uapi/asm-generic/unistd.h.
 SYSCALLS = {"x86_64": (237, 239), "aarch64": (235, 236)}
+SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +258,47 @@ def _syscall_numbers() -> tuple[int, int]:
     if nrs is None:
         raise OSError(errno.ENOSYS, f"no mbind syscall number known for {platform.machine()}")
     return nrs
+
+
+def _set_mempolicy(policy: int, mask: int) -> None:
+    nr = SET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"no set_mempolicy syscall number known for {platform.machine()}")
+    words = _mask_array(mask) if mask else None
+    r = _libc().syscall(ctypes.c_long(nr), ctypes.c_int(policy), words, ctypes.c_ulong(MAX_NODES + 1 if mask else 0))
+    if r != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+@contextlib.contextmanager
+def thread_policy(binding: Optional[Binding]):
+    """This thread's memory policy set to `binding` inside the block (set_mempolicy(2)), then
+    put back as it was. For allocations no mapping's policy reaches: hugetlbfs's fallocate
+    allocates a file's huge pages by the calling thread's policy, not by an mbind of a
+    mapping of it. Nothing for an unbound binding."""
+    if binding is None or binding.policy == MPOL_DEFAULT:
+        yield
+        return
+    _, nr = _syscall_numbers()
+    mode = ctypes.c_int(-1)
+    words = (ctypes.c_ulong * _MASK_WORDS)()
+    if _libc().syscall(ctypes.c_long(nr), ctypes.byref(mode), words, ctypes.c_ulong(MAX_NODES + 1),
+                       ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
+        mode.value = MPOL_DEFAULT
+    before = (mode.value & 0xFFFF, sum(int(w) << (64 * i) for i, w in enumerate(words)))  # (mode flags dropped)
+    try:
+        _set_mempolicy(binding.policy, binding.mask)
+    except OSError as e:
+        raise EngramError(f"binding host table memory to {binding.describe()} failed: {e.strerror}; use "
+                          f"--engram-host-numa off") from None
+    try:
+        yield
+    finally:
+        try:
+            _set_mempolicy(before[0], before[1] if before[0] != MPOL_DEFAULT else 0)
+        except OSError:
+            _set_mempolicy(MPOL_DEFAULT, 0)
 
 
 @functools.lru_cache(maxsize=1)

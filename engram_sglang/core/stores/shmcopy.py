@@ -19,6 +19,12 @@ Trusted on its content, not on its name and size:
   when it is stopped by SIGTERM or SIGHUP (a process group's stop: systemd, `kill -- -PGID`,
   Kubernetes), which would otherwise kill Python without its exit handlers (_release_on_signal).
 
+On a hugetlbfs mount (`--engram-shm-dir` naming one: huge pages by construction, reserved
+by the node's vm.nr_hugepages) the same copy is a file whose size is the layer's rounded up to
+the mount's page size (statfs f_bsize, its pagesize=; the kernel refuses any other size and
+any write(2)): allocated by fallocate, filled through the mapping, the rows past the table's
+end left zero and never served. The same names, locks, checks and release.
+
 Start-up fills or checks under `NAME.lock`: the first rank works while the others wait, with
 a line every LOCK_LOG_SECONDS naming the holder, given up when it stalls (wait_flock). A
 SIGTERM/SIGHUP during it unwinds the cleanup first (_unwind_on_signals).
@@ -46,7 +52,7 @@ from typing import Callable, Iterator, Optional
 from ..errors import EngramError
 from ..fileio import kind_of
 from ..rowformat import ROW_BYTES
-from . import numa
+from . import numa, thp
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,20 @@ class Spec:
     @property
     def nbytes(self) -> int:
         return self.rows * ROW_BYTES
+
+
+def huge_page_bytes(directory: Path) -> Optional[int]:
+    """The page size of `directory` where it is on hugetlbfs (statfs f_bsize: the mount's
+    pagesize=), None on any other file system (or where the mount table cannot tell)."""
+    if thp.probe_dir(directory).fstype != "hugetlbfs":
+        return None
+    return os.statvfs(directory).f_bsize
+
+
+def copy_bytes(nbytes: int, page: Optional[int]) -> int:
+    """The size of a copy of `nbytes` of rows: rounded up to whole pages on hugetlbfs (`page`),
+    where a file can have no other size, else exactly nbytes."""
+    return -(-nbytes // page) * page if page else nbytes
 
 
 def sidecars(path: Path) -> tuple[Path, Path]:
@@ -523,13 +543,16 @@ class SharedCopy:
     """This process's hold on the node's copy of one layer: a read-only mapping (`map`).
 
     `fill(mapping, progress)` writes nbytes of rows into a writable mapping (HostTable's
-    loader); `advise(mapping)` asks for huge pages. `how` says whether it was filled, checked
-    or found in use by a running server. `read_only=False` serves a writable mapping: only for
+    loader); `advise(mapping)` asks for huge pages. On hugetlbfs the file and `map` are
+    `size` bytes (nbytes rounded up to the mount's page size; the rest zero, never served).
+    `how` says whether it was filled, checked or found in use by a running server. `read_only=False` serves a writable mapping: only for
     a GPU that cannot register read-only memory."""
 
     def __init__(self, spec: Spec, fill: Callable[[mmap.mmap, Callable[[int], None]], None],
                  advise: Callable[[mmap.mmap], None], read_only: bool = True):
         self.spec, self.path, self.nbytes = spec, spec.path, spec.nbytes
+        self.page = huge_page_bytes(spec.directory)  # None: not hugetlbfs
+        self.size = copy_bytes(self.nbytes, self.page)  # (an unaligned munmap of hugetlbfs fails: map it whole)
         self.read_only = read_only
         self._prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
         self._flags = os.O_RDONLY if read_only else os.O_RDWR
@@ -568,7 +591,7 @@ class SharedCopy:
             os.close(lock_fd)
 
     def _open_or_fill(self, users: int, fill, advise) -> tuple[mmap.mmap, str]:
-        path, nbytes = self.path, self.nbytes
+        path, nbytes = self.path, self.size
         try:
             fd = _open(path, self._flags)
         except FileNotFoundError:
@@ -603,22 +626,28 @@ class SharedCopy:
         return self._fill(fill, advise), "filled"
 
     def _fill(self, fill, advise) -> mmap.mmap:
-        path, nbytes = self.path, self.nbytes
+        path, nbytes = self.path, self.size
         tmp = Path(f"{path}.tmp.{os.getpid()}")
         fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, nbytes)  # sized, no page yet: the NUMA policy must come first
-            writable = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            writable = self._map_writable(fd, nbytes)
             try:
                 advise(writable)
                 # tmpfs keeps a shared mapping's policy with the file: fallocate and every rank's
-                # later mapping get pages by it.
+                # later mapping get pages by it (hugetlbfs does not: see below).
                 numa.bind(writable, self.spec.binding)
-                try:  # all pages now, so a full /dev/shm or NUMA node fails here, not in a page fault
-                    for lo in range(0, nbytes, _ALLOCATE_STEP):  # in steps: waiters see the file grow
-                        os.posix_fallocate(fd, lo, min(_ALLOCATE_STEP, nbytes - lo))
-                        self._beat()
+                # All pages now, so a full /dev/shm or NUMA node fails here, not in a page fault (on
+                # hugetlbfs a SIGBUS). hugetlbfs's fallocate takes its pages by this thread's policy,
+                # not the mapping's: the binding is set on the thread around it.
+                try:
+                    with numa.thread_policy(self.spec.binding if self.page else None):
+                        for lo in range(0, nbytes, _ALLOCATE_STEP):  # in steps: waiters see the file grow
+                            os.posix_fallocate(fd, lo, min(_ALLOCATE_STEP, nbytes - lo))
+                            self._beat()
                 except OSError as e:
+                    if self.page and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                        raise EngramError(self._no_huge_pages(nbytes)) from None
                     if e.errno == errno.ENOSPC:
                         raise EngramError(f"{path.parent}: no space for a {nbytes / 2**30:.2f} GiB shared table") from None
                     if e.errno == errno.ENOMEM:
@@ -644,6 +673,21 @@ class SharedCopy:
             os.close(fd)
         advise(m)
         return m
+
+    def _map_writable(self, fd: int, nbytes: int) -> mmap.mmap:
+        try:
+            return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # hugetlbfs reserves a shared mapping's pages when it is made
+            if self.page and e.errno in (errno.ENOMEM, errno.ENOSPC):
+                raise EngramError(self._no_huge_pages(nbytes)) from None
+            raise
+
+    def _no_huge_pages(self, nbytes: int) -> str:
+        from .hostmem import hugetlb_room_text
+
+        return (f"{self.path}: no huge pages for a {nbytes / 2**30:.2f} GiB shared table on "
+                f"{self.spec.binding.describe() if self.spec.binding and self.spec.binding.tag else 'this host'}: "
+                f"{hugetlb_room_text(self.spec.directory, nbytes, self.page)}")
 
     def release(self, wait: Optional[float] = None) -> None:
         """Drop this hold (the caller has closed `map`, or left it to its last view); the last
