@@ -61,16 +61,16 @@ def test_hugetlbfs_is_told_from_the_mount_table_text():
     (2, 5, 8, 8, 0),      # never negative
 ])
 def test_the_room_is_the_unreserved_free_pages_within_the_mount_limit(free, reserved, blocks, mount_free, pages):
-    assert hostmem.hugetlb_free_bytes(PAGE, free, reserved, blocks, mount_free) == pages * PAGE
+    assert thp.hugetlb_free_bytes(PAGE, free, reserved, blocks, mount_free) == pages * PAGE
 
 
 def test_the_shortfall_is_one_line_naming_the_pages_and_both_fixes():
-    line = hostmem.hugetlb_shortfall("/mnt/huge", 5 * PAGE - 7, PAGE, 3, 1, 4, 1)
+    line = thp.hugetlb_shortfall("/mnt/huge", 5 * PAGE - 7, PAGE, 3, 1, 4, 1)
     assert "\n" not in line
     assert line.startswith("/mnt/huge is hugetlbfs: it needs 5 huge pages of 2 MiB, the node has 2 free "
                            "(HugePages_Free 3, 1 reserved), the mount's size= allows 1 more;")
     assert "vm.nr_hugepages (or hugepages= at boot) and remount /mnt/huge with a larger size=" in line
-    gib = hostmem.hugetlb_shortfall("/h", 1 << 30, 1 << 30, 0, 0, 0, 0)
+    gib = thp.hugetlb_shortfall("/h", 1 << 30, 1 << 30, 0, 0, 0, 0)
     assert "1 huge pages of 1 GiB" in gib and "hugepages-1048576kB/nr_hugepages" in gib and "size=" not in gib
 
 
@@ -101,7 +101,7 @@ def as_hugetlbfs(monkeypatch):
     """A plain directory taken for a hugetlbfs mount of 2 MiB pages with `pool` free pages."""
     pool = {"free": 64, "reserved": 0}
     monkeypatch.setattr(shmcopy, "huge_page_bytes", lambda d: PAGE)
-    monkeypatch.setattr(hostmem, "hugetlb_pool", lambda page: (pool["free"], pool["reserved"]))
+    monkeypatch.setattr(thp, "hugetlb_pool", lambda page: (pool["free"], pool["reserved"]))
     return pool
 
 
@@ -152,7 +152,7 @@ NEED_PAGES = 3  # the copy (one page), then a limited mount's filler and its cop
 
 
 def _free_huge_pages() -> int:
-    free, reserved = hostmem.hugetlb_pool(PAGE)
+    free, reserved = thp.hugetlb_pool(PAGE)
     return free - reserved
 
 
@@ -198,8 +198,8 @@ try:
 except EngramError as e:
     out["refused"] = str(e)
 # Past that check (another server took the pages meanwhile): the fill's mapping is refused, one line
-from engram_sglang.core.stores import hostmem
-hostmem.hugetlbfs_free_bytes = lambda d, page: 1 << 40
+from engram_sglang.core.stores import thp
+thp.hugetlbfs_free_bytes = lambda d, page: 1 << 40
 try:
     open_(small, shared="require")
     out["fill_refused"] = None

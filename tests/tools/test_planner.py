@@ -712,11 +712,13 @@ def test_node_pages_recommend_a_choice_from_dram_and_tp(capsys, monkeypatch):
     got = rec(_node())
     assert got["choice"] == "per-rank private copies (TP4 x DP2)" and "--engram-host-shared off" in got["fix"]
     assert not got["also"]
-    # Too little DRAM for them (per-rank at TP8 still needs 189 GiB): the remount; free huge pages for both
-    # shared copies are named beside it, untested (hugetlbfs sizes files in whole huge pages only).
+    # Free huge pages that hold both shared copies: the shared copy on a hugetlbfs mount, ahead of
+    # private copies; too few: too little DRAM for per-rank copies (189 GiB at TP8) leaves the remount.
     got = rec(_node(total_gib=128, free=400 * 512))
-    assert got["choice"] == "shared copy after a remount" and "mount -t hugetlbfs -o pagesize=2M" in got["also"]
-    assert "untested" in got["also"] and not rec(_node(total_gib=128, free=100 * 512))["also"]
+    assert got["choice"] == "shared copy on hugetlbfs" and "mount -t hugetlbfs -o pagesize=2M" in got["fix"]
+    assert "--engram-shm-dir /mnt/engram-huge" in got["fix"]
+    assert rec(_node(free=400 * 512))["choice"] == "shared copy on hugetlbfs"
+    assert rec(_node(total_gib=128, free=100 * 512))["choice"] == "shared copy after a remount"
     # Neither: remount the shm dir with huge=within_size, thp.py's fix.
     got = rec(_node(enabled="always madvise [never]"))
     assert got["fix"].startswith("mount -o remount,huge=within_size /dev/shm")

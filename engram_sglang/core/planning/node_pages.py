@@ -73,11 +73,11 @@ def label(placement: str, host_layout: str, node: Optional[dict[str, Any]]) -> s
 
 def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int) -> dict[str, str]:
     """{"choice", "why", "fix", "also"} for the host rows' pages on this node: keep a shared copy
-    whose mount gives huge pages; else private per-rank copies where THP `enabled` gives them and
-    their DRAM (at the best fitting per-rank TP) fits the node; else remount the shm dir with
-    huge=within_size. Where free hugetlbfs pages hold the shared copies, `also` says so, but not
-    as the choice: the store sizes a shared copy with ftruncate, which hugetlbfs refuses for a
-    size that is not whole huge pages, and no test has run a copy there."""
+    whose mount gives huge pages; else a shared copy on a hugetlbfs mount where the node's free
+    huge pages already hold the shared copies (reserved pages are there for this; one copy per
+    node as before); else private per-rank copies where THP `enabled` gives them and their DRAM
+    (at the best fitting per-rank TP) fits the node; else remount the shm dir with
+    huge=within_size."""
     shm, anon, d = node["shm"], node["anon"], node["shm_dir"]
     if shm["huge"]:
         return {"choice": "shared copy", "why": shm["reason"], "fix": "", "also": ""}
@@ -87,13 +87,13 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
     free = node["hugetlb_free_bytes"]
     shared = [r for r in rows if r["placement"] == "host" and r["host_layout"] == "shared" and r["fits"]]
     need = shared[0]["dram_bytes_per_node"] if shared else table_bytes  # a copy per NUMA node where auto makes them
-    also = ""
     if free >= need:
         page = f"{(node['hugetlb_page_bytes'] or 0) // 1024 // 1024}M"
-        also = (f"{free / GIB:.0f} GiB of free huge pages would hold the shared copies' {need / GIB:.0f} GiB on a "
-                f"hugetlbfs mount (mount -t hugetlbfs -o pagesize={page} engram-huge {HUGETLB_DIR}, then "
-                f"--engram-shm-dir {HUGETLB_DIR}), untested: the store sizes a copy with ftruncate, which "
-                f"hugetlbfs refuses unless the size is whole huge pages")
+        return {"choice": "shared copy on hugetlbfs",
+                "why": (f"{shm['memory']} in {d} would give 4 KiB pages ({shm['reason']}); {free / GIB:.0f} GiB of free "
+                        f"huge pages hold the shared copies' {need / GIB:.0f} GiB"),
+                "fix": (f"mount -t hugetlbfs -o pagesize={page} engram-huge {HUGETLB_DIR}, then "
+                        f"--engram-shm-dir {HUGETLB_DIR}"), "also": ""}
     if anon["huge"] and per_rank:
         r = per_rank[0]
         return {"choice": f"per-rank private copies (TP{r['tp']} x DP{r['dp']})",
@@ -101,8 +101,8 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
                         f"{anon['thp_enabled']}, which gives private copies 2 MiB pages, and they take "
                         f"{r['dram_bytes_per_node'] / GIB:.0f} GiB of the node's "
                         + (f"{dram / GIB:.0f} GiB" if dram else "DRAM") + " at that TP"),
-                "fix": "--engram-host-shared off --engram-huge-pages on (ENGRAM_HOST_SHARED=0)", "also": also}
+                "fix": "--engram-host-shared off --engram-huge-pages on (ENGRAM_HOST_SHARED=0)", "also": ""}
     return {"choice": "shared copy after a remount",
             "why": f"{shm['memory']} in {d} would give 4 KiB pages ({shm['reason']})"
                    + ("" if anon["huge"] else f"; private copies too (THP enabled {anon['thp_enabled'] or 'absent'})"),
-            "fix": shm["fix"] or f"give --engram-shm-dir a tmpfs mounted with huge={thp.FIX_HUGE}", "also": also}
+            "fix": shm["fix"] or f"give --engram-shm-dir a tmpfs mounted with huge={thp.FIX_HUGE}", "also": ""}

@@ -81,8 +81,8 @@ class HostStore(WholeTableStore):
             # room the pool's unreserved free pages (a fill beyond them would fault, not fail).
             page = shmcopy.huge_page_bytes(shm_dir)
             need = shmcopy.copy_bytes(need, page)
-            free = hostmem.hugetlbfs_free_bytes(shm_dir, page) if page else hostmem.shm_free_bytes(shm_dir)
-            fix = (hostmem.hugetlb_room_text(shm_dir, need, page) if page else
+            free = thp.hugetlbfs_free_bytes(shm_dir, page) if page else hostmem.shm_free_bytes(shm_dir)
+            fix = (thp.hugetlb_room_text(shm_dir, need, page) if page else
                    f"give Docker --shm-size={-(-need // 2**30) + 1}g or --ipc=host")
             candidate = copy_spec(self.binding)
             shmcopy.check_kinds(candidate.path)

@@ -683,11 +683,9 @@ class SharedCopy:
             raise
 
     def _no_huge_pages(self, nbytes: int) -> str:
-        from .hostmem import hugetlb_room_text
-
         return (f"{self.path}: no huge pages for a {nbytes / 2**30:.2f} GiB shared table on "
                 f"{self.spec.binding.describe() if self.spec.binding and self.spec.binding.tag else 'this host'}: "
-                f"{hugetlb_room_text(self.spec.directory, nbytes, self.page)}")
+                f"{thp.hugetlb_room_text(self.spec.directory, nbytes, self.page)}")
 
     def release(self, wait: Optional[float] = None) -> None:
         """Drop this hold (the caller has closed `map`, or left it to its last view); the last

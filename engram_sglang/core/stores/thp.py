@@ -248,3 +248,60 @@ def warning_line(small: list[tuple[int, PagePlan, Optional[float], int]]) -> str
     return (f"engram host tables on 4 KiB pages: every random row read over UVA misses the GPU's translation "
             f"caches (much slower host lookups) and {gib:.2f} GiB mapped costs ~{gib * 2:.1f} MiB of GPU page "
             f"tables: " + " | ".join(parts))
+
+
+# ------------------------------------------------------------- hugetlbfs room
+def hugetlbfs_free_bytes(shm_dir: Path, huge_page: int) -> int:
+    """Room for a shared copy in hugetlbfs `shm_dir` (of pages of `huge_page` bytes): the free
+    huge pages of that size nobody has reserved, within the mount's size= limit if it has one."""
+    st = os.statvfs(shm_dir)
+    free, reserved = hugetlb_pool(huge_page)
+    return hugetlb_free_bytes(huge_page, free, reserved, st.f_blocks, st.f_bavail)
+
+
+def hugetlb_free_bytes(page: int, pool_free: int, pool_reserved: int, mount_blocks: int, mount_free: int) -> int:
+    """Bytes a hugetlbfs file can still get: the pool's free pages less those reserved (mapped,
+    not yet touched), and no more than the mount's free pages where it has a size= limit
+    (statfs shows 0 blocks where it has none)."""
+    pages = max(0, pool_free - pool_reserved)
+    if mount_blocks > 0:
+        pages = min(pages, max(0, mount_free))
+    return pages * page
+
+
+HUGEPAGES_SYSFS = Path("/sys/kernel/mm/hugepages")
+
+
+def hugetlb_pool(page: int, root: Path = HUGEPAGES_SYSFS) -> tuple[int, int]:
+    """(free, reserved) huge pages of size `page` on this host (sysfs; 0 where unreadable)."""
+    out = []
+    for name in ("free_hugepages", "resv_hugepages"):
+        try:
+            out.append(int((root / f"hugepages-{page >> 10}kB" / name).read_text()))
+        except (OSError, ValueError):
+            out.append(0)
+    return out[0], out[1]
+
+
+def hugetlb_room_text(shm_dir: Path, need: int, page: int) -> str:
+    """What a hugetlbfs `shm_dir` lacks for `need` bytes and how to give it, in a clause."""
+    st = os.statvfs(shm_dir)
+    free, reserved = hugetlb_pool(page)
+    return hugetlb_shortfall(shm_dir, need, page, free, reserved, st.f_blocks, st.f_bavail)
+
+
+def hugetlb_shortfall(shm_dir, need: int, page: int, pool_free: int, pool_reserved: int, mount_blocks: int,
+                      mount_free: int) -> str:
+    """The clause of `hugetlb_room_text`, from the numbers (pure, for tests)."""
+    want = -(-need // page)
+    size = f"{page >> 20} MiB" if page < 1 << 30 else f"{page >> 30} GiB"
+    sysctl = ("vm.nr_hugepages" if page == 2 << 20 else
+              f"/sys/kernel/mm/hugepages/hugepages-{page >> 10}kB/nr_hugepages")
+    parts = [f"it needs {want} huge pages of {size}, the node has {max(0, pool_free - pool_reserved)} free "
+             f"(HugePages_Free {pool_free}, {pool_reserved} reserved)"]
+    if mount_blocks > 0:
+        parts.append(f"the mount's size= allows {mount_free} more")
+    fix = f"reserve more with {sysctl} (or hugepages= at boot)"
+    if mount_blocks > 0 and mount_free < want:
+        fix += f" and remount {shm_dir} with a larger size="
+    return f"{shm_dir} is hugetlbfs: {', '.join(parts)}; {fix}, or point --engram-shm-dir at a tmpfs"
