@@ -256,6 +256,18 @@ def _real_mbind_or_skip():
         pytest.skip(why)
 
 
+def test_thread_policy_binds_this_thread_inside_the_block_and_puts_it_back():
+    """hugetlbfs's fallocate takes pages by the thread's policy (set_mempolicy), not a mapping's:
+    inside the block this thread is bound to node 0; after it, back to what it was."""
+    _real_mbind_or_skip()
+    before = numa.policy_of()
+    with numa.thread_policy(numa.Binding(numa.MPOL_BIND, (0,))):
+        assert numa.policy_of() == (numa.MPOL_BIND, 0b1)
+    assert numa.policy_of() == before
+    with numa.thread_policy(None):  # unbound: nothing set
+        assert numa.policy_of() == before
+
+
 def test_real_mbind_to_node_0():
     _real_mbind_or_skip()
     m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

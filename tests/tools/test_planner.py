@@ -706,12 +706,10 @@ def test_node_pages_recommend_a_choice_from_dram_and_tp(capsys, monkeypatch):
     rows = _rank(capsys)
     table = plan(model=DSV41, gpu="H200", placement="host")["tables"]["total_bytes"]
     rec = lambda node: node_pages.recommend(node, rows, table)  # noqa: E731
-    assert rec(_node("within_size")) == {"choice": "shared copy", "why": "tmpfs /dev/shm has huge=within_size", "fix": "",
-                                         "also": ""}
+    assert rec(_node("within_size")) == {"choice": "shared copy", "why": "tmpfs /dev/shm has huge=within_size", "fix": ""}
     # 4K shm, THP madvise and DRAM for per-rank copies: private copies at the best per-rank TP, no root needed.
     got = rec(_node())
     assert got["choice"] == "per-rank private copies (TP4 x DP2)" and "--engram-host-shared off" in got["fix"]
-    assert not got["also"]
     # Free huge pages that hold both shared copies: the shared copy on a hugetlbfs mount, ahead of
     # private copies; too few: too little DRAM for per-rank copies (189 GiB at TP8) leaves the remount.
     got = rec(_node(total_gib=128, free=400 * 512))

@@ -131,8 +131,6 @@ def format_rows(rows: list[dict[str, Any]], advice: Optional[dict[str, str]] = N
         lines += ["", f"Pages on this node: {advice['choice']}: {advice['why']}"]
         if advice["fix"]:
             lines.append(f"  fix: {advice['fix']}")
-        if advice["also"]:
-            lines.append(f"  also: {advice['also']}")
     if rows:
         b = rows[0]
         lines += ["", f"Launch the best (TP{b['tp']} x DP{b['dp']}, {b['placement']}"

@@ -72,7 +72,7 @@ def label(placement: str, host_layout: str, node: Optional[dict[str, Any]]) -> s
 
 
 def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int) -> dict[str, str]:
-    """{"choice", "why", "fix", "also"} for the host rows' pages on this node: keep a shared copy
+    """{"choice", "why", "fix"} for the host rows' pages on this node: keep a shared copy
     whose mount gives huge pages; else a shared copy on a hugetlbfs mount where the node's free
     huge pages already hold the shared copies (reserved pages are there for this; one copy per
     node as before); else private per-rank copies where THP `enabled` gives them and their DRAM
@@ -80,7 +80,7 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
     huge=within_size."""
     shm, anon, d = node["shm"], node["anon"], node["shm_dir"]
     if shm["huge"]:
-        return {"choice": "shared copy", "why": shm["reason"], "fix": "", "also": ""}
+        return {"choice": "shared copy", "why": shm["reason"], "fix": ""}
     dram = node.get("mem_total_bytes")
     per_rank = [r for r in rows if r["placement"] == "host" and r["host_layout"] == "per_rank" and r["fits"]
                 and (dram is None or r["dram_bytes_per_node"] <= dram)]
@@ -93,7 +93,7 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
                 "why": (f"{shm['memory']} in {d} would give 4 KiB pages ({shm['reason']}); {free / GIB:.0f} GiB of free "
                         f"huge pages hold the shared copies' {need / GIB:.0f} GiB"),
                 "fix": (f"mount -t hugetlbfs -o pagesize={page} engram-huge {HUGETLB_DIR}, then "
-                        f"--engram-shm-dir {HUGETLB_DIR}"), "also": ""}
+                        f"--engram-shm-dir {HUGETLB_DIR}")}
     if anon["huge"] and per_rank:
         r = per_rank[0]
         return {"choice": f"per-rank private copies (TP{r['tp']} x DP{r['dp']})",
@@ -101,8 +101,8 @@ def recommend(node: dict[str, Any], rows: list[dict[str, Any]], table_bytes: int
                         f"{anon['thp_enabled']}, which gives private copies 2 MiB pages, and they take "
                         f"{r['dram_bytes_per_node'] / GIB:.0f} GiB of the node's "
                         + (f"{dram / GIB:.0f} GiB" if dram else "DRAM") + " at that TP"),
-                "fix": "--engram-host-shared off --engram-huge-pages on (ENGRAM_HOST_SHARED=0)", "also": ""}
+                "fix": "--engram-host-shared off --engram-huge-pages on (ENGRAM_HOST_SHARED=0)"}
     return {"choice": "shared copy after a remount",
             "why": f"{shm['memory']} in {d} would give 4 KiB pages ({shm['reason']})"
                    + ("" if anon["huge"] else f"; private copies too (THP enabled {anon['thp_enabled'] or 'absent'})"),
-            "fix": shm["fix"] or f"give --engram-shm-dir a tmpfs mounted with huge={thp.FIX_HUGE}", "also": ""}
+            "fix": shm["fix"] or f"give --engram-shm-dir a tmpfs mounted with huge={thp.FIX_HUGE}"}

@@ -39,7 +39,6 @@ class HugePageReport:
     thp_mode: str  # the active transparent_hugepage (or shmem_enabled) setting
     page_kib: int = 0  # smaps' KernelPageSize: 2048 (or 1048576) for a hugetlbfs mapping, else 4
 
-
     @property
     def coverage(self) -> float:
         return self.huge_kib / self.mapped_kib if self.mapped_kib else 0.0

@@ -280,13 +280,11 @@ def thread_policy(binding: Optional[Binding]):
     if binding is None or binding.policy == MPOL_DEFAULT:
         yield
         return
-    _, nr = _syscall_numbers()
-    mode = ctypes.c_int(-1)
-    words = (ctypes.c_ulong * _MASK_WORDS)()
-    if _libc().syscall(ctypes.c_long(nr), ctypes.byref(mode), words, ctypes.c_ulong(MAX_NODES + 1),
-                       ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
-        mode.value = MPOL_DEFAULT
-    before = (mode.value & 0xFFFF, sum(int(w) << (64 * i) for i, w in enumerate(words)))  # (mode flags dropped)
+    try:
+        mode, mask = policy_of()
+        before = (mode & 0xFFFF, mask)  # (mode flags dropped)
+    except OSError:
+        before = (MPOL_DEFAULT, 0)
     try:
         _set_mempolicy(binding.policy, binding.mask)
     except OSError as e:
@@ -327,13 +325,14 @@ def _mbind(address: int, length: int, policy: int, mask: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
-def policy_of(address: int) -> tuple[int, int]:
-    """(policy, node bitmask) in force at `address` (get_mempolicy(2) with MPOL_F_ADDR)."""
+def policy_of(address: Optional[int] = None) -> tuple[int, int]:
+    """(policy, node bitmask) in force at `address` (get_mempolicy(2) with MPOL_F_ADDR), or the
+    calling thread's own policy without one."""
     _, nr = _syscall_numbers()
     mode = ctypes.c_int(-1)
     words = (ctypes.c_ulong * _MASK_WORDS)()
     r = _libc().syscall(ctypes.c_long(nr), ctypes.byref(mode), words, ctypes.c_ulong(MAX_NODES + 1),
-                        ctypes.c_void_p(address), ctypes.c_ulong(MPOL_F_ADDR))
+                        ctypes.c_void_p(address or 0), ctypes.c_ulong(0 if address is None else MPOL_F_ADDR))
     if r != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
