@@ -157,7 +157,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DRAM per NUMA node in GiB (default: the SKU's usual host, configs/gpus.json)")
     d = p.add_argument_group("disk placement (--placement disk): the exposed read time per decode step")
     d.add_argument("--disk-iops", type=float, default=None,
-                   help="4 KiB random-read IOPS at queue depth 64 the disk gives one replica (a server's disks shared by its replicas; or --measure-disk)")
+                   help="4 KiB random-read IOPS at queue depth 64 the disk gives one replica (a server's disks shared by its "
+                        "replicas; or --measure-disk; default: an assumed datacenter NVMe, 1,000,000, labelled)")
     d.add_argument("--measure-disk", default=None, metavar="PATH",
                    help="measure IOPS and one read's latency on the disk holding this file (fio, else the project's "
                         "own O_DIRECT reads)")
@@ -198,6 +199,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if getattr(args, "node_settings", False) or getattr(args, "shm_dir", node_pages.DEFAULT_SHM_DIR) != node_pages.DEFAULT_SHM_DIR:
         print("engram-sglang plan: error: --node-settings and --shm-dir go with --rank", file=sys.stderr)
         return 2
+    # A disk plan without --disk-iops or --measure-disk uses the assumed NVMe, labelled, as --rank does.
+    disk_default = args.placement == "disk" and args.disk_iops is None and not args.measure_disk
     try:
         result = plan(
             model=args.model,
@@ -214,7 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             host_numa=args.host_numa,
             numa_nodes=args.numa_nodes,
             numa_dram_gib=args.numa_dram_gib,
-            disk_iops=args.disk_iops,
+            disk_iops=layouts.DEFAULT_DISK["disk_iops"] if disk_default else args.disk_iops,
+            iops_source=layouts.DEFAULT_DISK["iops_source"] if disk_default else None,
             disk_latency_ms=args.disk_latency_ms,
             measure_disk=args.measure_disk,
             dram_cache_gib=args.dram_cache_gib,

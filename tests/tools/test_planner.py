@@ -395,6 +395,7 @@ def test_a_trace_gives_each_layouts_hit_rate_by_replay(tmp_path):
 
 # ------------------------------------------------------------------ disk placement: when SSD pays
 from engram_sglang.core.planning import disk as disk_plan
+from engram_sglang.core.planning import layouts
 
 
 def small_model(tmp_path) -> tuple[Path, object]:
@@ -465,6 +466,20 @@ def test_disk_prediction_arithmetic_on_the_default_curve():
     # Defaults are labelled: the lead from the model's facts, the latency an assumption.
     r = plan(model=DSV41, gpu="H200", tp=4, placement="disk", disk_iops=200_000)["disk"]
     assert r["lead_ms"] == 0.5 and "assumption" in r["lead_source"] and "assumption" in r["latency_source"]
+
+
+def test_a_disk_plan_without_iops_uses_the_labelled_nvme_assumption(capsys):
+    """`plan --placement disk` with neither --disk-iops nor --measure-disk plans the decode
+    step's reads at the assumed NVMe (as `--rank` does), labelled as an assumption."""
+    assert main(["--model", DSV41, "--gpu", "H200", "--tp", "4", "--placement", "disk", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["disk"]
+    assert d["iops"] == layouts.DEFAULT_DISK["disk_iops"] and d["iops_source"].startswith("assumption")
+    assert main(["--model", DSV41, "--gpu", "H200", "--tp", "4", "--placement", "disk", "--disk-iops", "200000",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["disk"]
+    assert d["iops"] == 200_000 and d["iops_source"] == "--disk-iops"
+    assert main(["--model", DSV41, "--gpu", "H200", "--tp", "4", "--placement", "device", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disk"] is None  # no disk section for other placements
 
 
 def test_read_time_of_known_misses():
