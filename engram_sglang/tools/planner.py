@@ -131,7 +131,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel size (default: the smallest that fits with the chosen placement)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the deployment spans (SGLang's --nnodes); --tp may be at most GPUs per node x this (default 1)")
-    p.add_argument("--placement", choices=PLACEMENTS, default="host",
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help="where the tables live: " + "; ".join(f"{p.name}, {p.what}" for p in PLACEMENT_TABLE.values())
                    + " (default: host)")
     p.add_argument("--host-layout", choices=HOST_LAYOUTS, default="shared",
@@ -183,7 +183,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", action="store_true",
                    help="rank the node's layouts (TP x DP, placement, host layout; disk at "
                         f"{disk_model.DEFAULT_IOPS:,.0f} IOPS unless --disk-iops or --measure-disk) and print the best's "
-                        "launch line")
+                        "launch line; --tp and --placement narrow it to that TP or placement")
     p.add_argument("--node-settings", action="store_true",
                    help="with --rank: read this node's huge-page settings (THP enabled and shmem_enabled, the "
                         "--shm-dir mount's huge=, free hugetlbfs pages) for the pages column and recommend a choice")
@@ -206,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model=args.model,
             gpu=args.gpu,
             tp=args.tp,
-            placement=args.placement,
+            placement=args.placement or "host",
             host_layout=args.host_layout,
             hot_cache_gib=args.hot_cache_gib,
             kv_bytes_per_token=args.kv_bytes_per_token,
@@ -271,8 +271,14 @@ def _cmd_rank(args: argparse.Namespace) -> int:
 
         first = run(tp=1, placement="host")
         node = node_pages.probe(args.shm_dir) if args.node_settings else None
-        rows = layouts.rank(run, valid_tps(first["model"]["attention_heads"]), sku.gpus_per_node,
-                            disk=_rank_disk(args), node=node)
+        tps = valid_tps(first["model"]["attention_heads"])
+        if args.tp is not None:  # rank only that TP's layouts
+            if args.tp not in tps or sku.gpus_per_node % args.tp:
+                raise EngramError(f"--tp {args.tp} with --rank: one node of {args.gpu} ranks TP "
+                                  f"{', '.join(str(t) for t in tps if sku.gpus_per_node % t == 0)}")
+            tps = [args.tp]
+        rows = layouts.rank(run, tps, sku.gpus_per_node, disk=_rank_disk(args), node=node,
+                            placements=None if args.placement is None else (args.placement,))
     except EngramError as e:
         print(f"engram-sglang plan: error: {e}", file=sys.stderr)
         return 2

@@ -642,6 +642,21 @@ def _rank(capsys, *extra):
     return json.loads(capsys.readouterr().out)
 
 
+def test_rank_narrowed_by_tp_and_placement(capsys):
+    """--tp and --placement with --rank rank only that TP's or placement's layouts; a TP one
+    node cannot run is one line naming the ones it can."""
+    every = _rank(capsys)
+    rows = _rank(capsys, "--tp", "4")
+    assert rows and {r["tp"] for r in rows} == {4}
+    assert [(r["placement"], r["host_layout"]) for r in rows] == [
+        (r["placement"], r["host_layout"]) for r in every if r["tp"] == 4]
+    rows = _rank(capsys, "--placement", "disk")
+    assert rows and {r["placement"] for r in rows} == {"disk"} and {r["tp"] for r in rows} == {r["tp"] for r in every}
+    assert main(["--model", DSV41, "--gpu", "H200", "--rank", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 3 with --rank" in err and "1, 2, 4, 8" in err and err.count("\n") == 1
+
+
 def test_rank_lists_disk_rows_fitting_only_within_the_step_budget(capsys):
     """Disk rows carry their exposed read time (eager and staged) at the stated disk and step;
     they fit only within the step budget and, at equal KV tokens, rank after host rows."""

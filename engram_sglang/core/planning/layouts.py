@@ -46,15 +46,18 @@ def disk_step(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank(run: Callable[..., dict[str, Any]], tps: list[int], gpus_per_node: int, *,
-         disk: Optional[dict[str, Any]] = None, node: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+         disk: Optional[dict[str, Any]] = None, node: Optional[dict[str, Any]] = None,
+         placements: Optional[tuple[str, ...]] = None) -> list[dict[str, Any]]:
     """Each candidate's row, best first: fits (a disk row only with its exposed read time within
     the step budget), then KV tokens per node, then at equal KV a table in memory before one on
     disk (no reads to expose), then the least DRAM per node. `run(tp=, placement=, host_layout=)`
     is the plan of one candidate; a disk one is also given `disk` (PlanInputs' disk fields: by
-    default disk.py's assumed NVMe) for its decode step."""
+    default disk.py's assumed NVMe) for its decode step. `placements`: only those (all by default)."""
     disk = DEFAULT_DISK if disk is None else disk
     rows = []
     for tp, placement, layout in candidates(tps, gpus_per_node):
+        if placements is not None and placement not in placements:
+            continue
         p = run(tp=tp, placement=placement, host_layout=layout, **(disk if placement == "disk" else {}))
         h = p["hbm_per_gpu"][placement]
         dp = gpus_per_node // tp
