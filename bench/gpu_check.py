@@ -247,13 +247,13 @@ def run(args) -> int:
     info = {"mode": mode, "budget_s": budget, "scratch": str(scratch), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     report = Report(out_dir / ("gpu_check_dry.json" if args.dry_run else "gpu_check.json"), [c.name for c in checks], info)
     print(f"gpu_check ({mode}): {len(checks)} checks, budget {budget:.0f} s, report {report.path}", flush=True)
-    if not preflight(args, report, [c.name for c in checks]):
-        return 1
     t_start = time.monotonic()
     pending = [c.name for c in checks]
     # SIGTERM (a CI timeout, `timeout`): unwind, so that the worker is killed and the report closed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
+        if not preflight(args, report, [c.name for c in checks]):
+            return 1  # its report is written; the scratch directory goes below all the same
         while pending:
             left = budget - (time.monotonic() - t_start)
             if left < 5:

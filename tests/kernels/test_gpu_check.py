@@ -21,9 +21,15 @@ GPU_MACHINE_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def run_check(tmp_path, *args, timeout=300):
-    env = {**GPU_MACHINE_ENV, "OUT": str(tmp_path)}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=tmp_path)
+    # Its own TMPDIR: the run's scratch directory must be gone when it ends, whatever ended it.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**GPU_MACHINE_ENV, "OUT": str(tmp_path), "TMPDIR": str(tmp)}
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                       timeout=timeout, cwd=tmp_path)
+    if "--keep-scratch" not in args:
+        assert not list(tmp.glob("engram-gpu-check-*")), "the scratch directory was left behind"
+    return r
 
 
 def report(tmp_path) -> dict:
