@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -26,6 +28,18 @@ from ..core.errors import EngramError
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
 ERROR_MARK = "engram-sglang: error: "  # how every engram-sglang error line begins
+
+
+def _inductor_cache_dir() -> Optional[str]:
+    """Where torch's compile cache goes by default (under the temp dir, which TMPDIR moves);
+    None where the user has no name (torch then picks its own)."""
+    import getpass
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        return None
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 class ServerError(EngramError):
@@ -82,6 +96,13 @@ class Server:
             cmd += [f"--engram-{key.replace('_', '-')}", str(value)]
         self.cmd = cmd + list(args)
         self.env.update(env or {})
+        # SGLang names its ZMQ sockets with tempfile and never removes them (hundreds of 0-byte
+        # tmpXXXXXXXX in /tmp after a test run): the server gets a TMPDIR of its own, removed at
+        # stop. Torch's compile cache keeps its usual place, shared by every server.
+        self._own_tmp = "TMPDIR" not in (env or {})
+        if self._own_tmp and _inductor_cache_dir() is not None:
+            self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        self._tmp: Optional[str] = None
         self.proc: Optional[subprocess.Popen] = None
         self._tree: Optional[_TreeRecord] = None
 
@@ -89,6 +110,8 @@ class Server:
     def start(self, timeout: float = 300) -> "Server":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
+        if self._own_tmp:
+            self._tmp = self.env["TMPDIR"] = tempfile.mkdtemp(prefix="engram-sglang-server-")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         log.close()
@@ -160,6 +183,9 @@ class Server:
         self.proc = None
         self._tree = None
         tree.remove_leftovers()
+        if self._tmp is not None:  # the whole tree is gone: nothing uses its sockets now
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def __enter__(self) -> "Server":
         return self.start()

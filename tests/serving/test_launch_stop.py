@@ -89,7 +89,9 @@ loads, mq, how, holder = sys.argv[1:5]
 child = subprocess.Popen([sys.executable, "-c", holder, loads, "open", holder, mq, "closed"],
                          stdout=subprocess.PIPE, text=True)
 made = [child.stdout.readline().strip() for _ in range(2)]
-open(os.environ["FAKE_MADE"], "w").write("\\n".join(made))
+import tempfile
+sock = tempfile.NamedTemporaryFile(delete=False).name  # as SGLang names its ZMQ sockets: never removed
+open(os.environ["FAKE_MADE"], "w").write("\\n".join(made + [sock]))
 if how == "fail":
     time.sleep(1.5)  # the scheduler lived a moment, then died without unlinking
     print("engram-sglang: error: fake start failure", flush=True)
@@ -127,10 +129,12 @@ def test_a_failed_or_crashed_start_leaves_no_shm_file(tmp_path, how):
             os.killpg(server.proc.pid, 9)  # crashes: nothing of its own unlinks anything
             server.proc.wait()
             server.stop(timeout=5)
-        made = [Path(p) for p in (tmp_path / "made").read_text().split("\n")]
+        *made, sock = [Path(p) for p in (tmp_path / "made").read_text().split("\n")]
         assert len(made) == 2 and all(p.name.startswith(("sglang_loads_", "sgl_shm_")) for p in made)
         left = [p for p in made if p.exists()]
         assert left == [], f"left in /dev/shm after a {how}: {left}"
+        # Its temp files were made in a TMPDIR of its own, which is gone with it.
+        assert sock.parent.name.startswith("engram-sglang-server-") and not sock.parent.exists(), sock
         assert other.exists()
     finally:
         if server.proc is not None:
