@@ -92,7 +92,7 @@ class StoreEngramEmbedding(nn.Module):
 
     def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
         # cp_all_tokens: upstream hashed the whole prompt and hands this rank its slice.
-        return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens)
+        return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens, forward_batch=forward_batch)
 
 
 def begin_step_after_hashing(hasher, input_ids, forward_batch, hash_ids) -> None:
@@ -127,9 +127,11 @@ def _layers_read_these_ids(runtime, forward_batch, in_breakable_graph) -> bool:
     """Whether the layers will look up the very ids the hasher returned (else a prefetch
     would read rows nobody uses): not in a context-parallel prefill (each rank keeps a slice),
     not in a prefill CUDA graph (the hashing runs eagerly, the lookups were captured), not in
-    a capture (the step cannot reach the layers without Python state a replay would skip)."""
+    a capture (the step cannot reach the layers without Python state a replay would skip), not
+    where shards exchange ids under attention DP (each layer reads every rank's ids)."""
     extend = forward_batch.forward_mode.is_extend()
-    return not (runtime.capturing() or extend and (runtime.context_parallel or in_breakable_graph()))
+    return not (runtime.capturing() or runtime.row_exchange == "dp"
+                or extend and (runtime.context_parallel or in_breakable_graph()))
 
 
 def runtime_of(hasher):
