@@ -42,13 +42,17 @@ def exact_sum_(rows: torch.Tensor, group=None) -> torch.Tensor:
         group = get_tp_group()
     rows = rows.contiguous()
     ints = rows.view(torch.int32)
-    if rows.is_cuda:
+    if _on_gpu(rows):  # CUDA and HIP alike: no vendor branch
         from sglang.srt.distributed import parallel_state
 
         parallel_state.inplace_all_reduce(ints, group_name=group.unique_name)
     else:
         torch.distributed.all_reduce(ints, group=group.device_group)
     return rows
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _reduce_scatter_fits(parallel, forward_batch, global_len: int, local_len: int) -> bool:

@@ -34,8 +34,8 @@ from ..core.stores.metrics import METRICS, RANKS
 from . import pd
 from .identity import agree_over_tp_group, serving_identity
 from .modes import SLOTS
-from .row_exchange import context_rows, exact_sum_, exchange_rows
 from .ranks import rank_labels, stats_path
+from .row_exchange import context_rows, exact_sum_, exchange_rows
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)

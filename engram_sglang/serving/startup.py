@@ -89,8 +89,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
         runtime.attention_rows, runtime.row_exchange = how, exchange
         try:
-            _check_servable(runtime, settings, whole_rows=whole_rows, context_parallel=context_parallel,
-                            exchange=exchange)
+            _check_servable(runtime, settings, whole_rows=whole_rows, context_parallel=context_parallel)
         except EngramError:
             runtime.close()
             raise
@@ -145,10 +144,9 @@ def _ngram_hasher(cfg: EngramConfig, tokenizer_path: str):
 
 
 def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_rows: bool,
-                    context_parallel: bool, exchange: Optional[str] = None) -> None:
-    """What the opened stores cannot serve: under a CUDA graph (serving/graphs.py); where every
-    rank reads whole rows, a private copy per rank; Engram modes on a prompt's slice or on ids
-    the ranks exchange."""
+                    context_parallel: bool) -> None:
+    """What the opened stores cannot serve: under a CUDA graph (serving/graphs.py), and, where
+    every rank reads whole rows, a private copy per rank or Engram modes on a prompt's slice."""
     from .graphs import check_capturable
     from .modes import modes_in_use
 
@@ -159,11 +157,6 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
     if modes_in_use(settings) and context_parallel:
         raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
                           "parallel rank's slice of the prompt: start without attention context parallelism")
-    if modes_in_use(settings) and exchange == "dp":
-        # Modes pick a step's tokens on each rank; an exchanged lookup reads every rank's ids as they come.
-        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to ids exchanged between "
-                          "attention data-parallel ranks: start without them, or serve whole rows (--engram-placement "
-                          "host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk)")
     if not whole_rows:
         return
     from ..core.placement_table import placement
@@ -210,6 +203,7 @@ def attention_rows(settings, parallel) -> Optional[str]:
     EXCHANGE (core/placement_table.py `Placement.attention_rows`); None: the ranks hold the
     same tokens. What the exchange cannot serve yet is refused in one line."""
     from ..core.placement_table import EXCHANGE, placement
+    from .modes import modes_in_use
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return None
@@ -221,6 +215,11 @@ def attention_rows(settings, parallel) -> Optional[str]:
             f"{parallel.attn_cp_size}) with row shards ({settings.placement} placement) is not supported: use "
             f"--engram-placement host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk "
             f"(every rank reads whole rows of its own tokens)")
+    if how == EXCHANGE and parallel.attn_dp_size > 1 and modes_in_use(settings):
+        # Modes pick a step's tokens on each rank; an exchanged lookup reads every rank's ids as they come.
+        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to ids exchanged between "
+                          "attention data-parallel ranks: start without them, or serve whole rows (--engram-placement "
+                          "host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk)")
     return how
 
 

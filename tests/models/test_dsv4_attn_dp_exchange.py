@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
     from sglang.srt.runtime_context import get_parallel
 
     import engram_sglang.serving.row_exchange as row_exchange
-    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, process_runtime
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, _layers_read_these_ids, process_runtime
     from engram_sglang.serving.settings import ServeSettings
 
     # SGLang registers its collective custom ops for CUDA only: on the CPU its GroupCoordinator
@@ -87,8 +88,9 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
                 settings = ServeSettings(placement=placement, table_dir=table_dir, shm_dir=shm_dir, **options)
                 runtime = process_runtime(settings=settings, device="cpu", parallel=par)
                 embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+                decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
                 out[placement, "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange,
-                                            runtime.attention_rows)
+                                            runtime.attention_rows, _layers_read_these_ids(runtime, decode, bool))
                 for case in CASES:
                     max_len = case == "max_len"
                     n = max(counts) if max_len else counts[rank]  # MAX_LEN pads every rank to the longest
@@ -109,6 +111,20 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
                         runtime_module.exchange_rows, row_exchange.exact_sum_ = real_exchange, real_sum
                     out[placement, case] = (ids[:counts[rank]], rows[:counts[rank]])
                 runtime.close()
+        # Attention context parallelism (CP = TP): a prompt slice's ids are gathered over the CP
+        # group (upstream's way); a decode lookup, the same tokens on every rank, is summed.
+        with get_parallel().override(tp_size=world, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+                                     attn_dp_rank=0, attn_cp_size=world, attn_cp_rank=rank, tp_group=group,
+                                     attn_cp_group=group) as par:
+            runtime = process_runtime(settings=ServeSettings(placement="device", table_dir=table_dir), device="cpu",
+                                      parallel=par)
+            embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+            out["cp", "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange, runtime.attention_rows)
+            ids = _ids(layout, rank, 3)
+            out["cp", "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
+            ids = _ids(layout, 0, 4)
+            out["cp", "decode"] = (ids, embed(ids, None))
+            runtime.close()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -119,8 +135,6 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
 
 
 def _batch(dpa, sizes, max_len: bool):
-    from types import SimpleNamespace
-
     mode = dpa.DpPaddingMode.MAX_LEN if max_len else dpa.DpPaddingMode.SUM_LEN
     return SimpleNamespace(global_num_tokens_gpu=torch.tensor(sizes), global_num_tokens_cpu=list(sizes),
                            dp_padding_mode=mode, dp_local_start_pos=None, dp_local_num_tokens=None)
@@ -145,7 +159,8 @@ def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, 
     for rank in range(world):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         for placement in PLACEMENTS:
-            assert out[placement, "opened"] == (rank, world, "dp", "exchange")  # a shard, SGLang's TP ranks
+            # A shard on SGLang's TP rank; no prefetch of the step's own ids (each layer exchanges them).
+            assert out[placement, "opened"] == (rank, world, "dp", "exchange", False)
             for case in CASES:
                 ids, rows = out[placement, case]
                 assert ids.shape[0] == COUNTS[world][rank]
@@ -158,3 +173,8 @@ def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, 
             if rank == 0:  # the table's first and last rows were among them (ids in every column: `_ids`)
                 ids = out[placement, "sum_len"][0]
                 assert ids[0, 0] == 0 and ids[-1, -1] == layout.rows(5) - 1
+        assert out["cp", "opened"] == (rank, world, "cp", "exchange")
+        for case in ("slice", "decode"):
+            ids, rows = out["cp", case]
+            want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+            assert torch.equal(bf16_bits(rows), want), (rank, case)
