@@ -27,13 +27,23 @@ captured lookups read (serving/staged_rows.py); DSpark and encoder SWA bounded r
 refused in one line (`staged_graphs_refusal`), an Engram layer in the late-layer tail at load.
 
 Parallelism: under plain tensor parallelism a rank holds a shard of every table and the
-runtime all-reduces the rows (or reads whole rows where the placement's node copy allows it).
-Under attention data or context parallelism the ranks of the TP group hold different tokens,
-so a sum over them would mix requests: those ranks read whole rows with no collective, from
-the node's one shared host copy (`--engram-placement host --engram-host-shared on`) or from the
-table files (`--engram-placement disk`, each rank its own DRAM cache); device and private host
-copies are refused at start-up (upstream exchanges the ids of every attention-DP rank per layer
-instead, which this plugin does not do).
+runtime sums the rows over the TP ranks (their int32 view: exact on every vendor), or reads
+whole rows where the placement's node copy allows it. Under attention data or context
+parallelism the ranks of the TP group hold different tokens, so a plain sum would mix requests;
+the placement table says what each placement does instead (`Placement.attention_rows`,
+serving/startup.py `attention_rows`): the node's one shared host copy (`--engram-placement host
+--engram-host-shared on`) and the table files (`--engram-placement disk`, each rank its own DRAM
+cache) give every rank whole rows of its own tokens with no collective; device and private host
+shards exchange ids as upstream does (serving/row_exchange.py): per Engram layer, every
+attention-DP rank's ids are gathered with SGLang's `dp_gather_replicate`, each rank reads the
+rows its shard owns for all of them, and each rank's rows come back through an int32
+reduce-scatter (or all-reduce and `dp_scatter`, as SGLang's padding mode allows); a context-
+parallel prompt slice gathers the CP group's slices first. The exchange is per layer, not once
+per step for all layers: every rank must issue the same collectives in the same order, and a
+step's prefetch decision differs between ranks (an idle rank, an extend beside a decode, a
+prefill graph), while every rank runs every Engram layer's lookup (upstream's contract), in a
+CUDA graph too (host integers only: no sync). Attention DP and CP together over shards, and
+Engram modes on exchanged ids, are refused at start-up in one line.
 """
 
 from __future__ import annotations

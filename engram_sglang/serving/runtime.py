@@ -316,15 +316,19 @@ class EngramRuntime:
         rank included, so nothing here may skip it. The step's own column reads its graph
         padding as -1 (+0 rows, as the step's own gather does); no prefetch was issued for it
         (deepseek_v4_hook `_layers_read_these_ids`)."""
+        own = False
         if step is not None and not context:
             col = step.hash_ids[:, self.layer_index[layer_id]]
-            if col.data_ptr() == ids.data_ptr() and col.shape == ids.shape and col.stride() == ids.stride():
+            own = col.data_ptr() == ids.data_ptr() and col.shape == ids.shape and col.stride() == ids.stride()
+            if own:
                 ids = mask_padding(ids, step.padding)
         gather = self.stores[layer_id].gather
         t0 = time.perf_counter()
         rows = context_rows(gather, ids) if context else exchange_rows(gather, ids, forward_batch)
         if step is not None:
             step.wait_seconds += time.perf_counter() - t0
+            if self._trace is not None and own:
+                step.rows[layer_id] = rows
         return rows
 
     def peek_step(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
