@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..core.errors import EngramError
 from ..core.rowformat import ROW_VALUES
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # ids [N, C] -> bf16 [N, C, 256], +0.0 for ids not held
@@ -59,8 +60,13 @@ def _reduce_scatter_fits(parallel, forward_batch, global_len: int, local_len: in
     """Whether SGLang's DP reduce-scatter hands each rank exactly its own slot of the global
     buffer: MAX_LEN padding over one attention-TP rank per DP group (every slot `local_len`
     rows), or the variable-length gatherv pair. Else all-reduce and `dp_scatter`."""
+    from sglang.srt.environ import envs
     from sglang.srt.layers.dp_attention import is_dp_gatherv_active
 
+    if envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get():
+        # SGLang's deterministic reduce-scatter is a plain all_reduce, which may pick a custom
+        # all-reduce that does not take int32: ours goes straight to NCCL/RCCL instead.
+        return False
     padding = getattr(forward_batch, "dp_padding_mode", None)
     equal_slots = (padding is not None and padding.is_max_len() and parallel.tp_size == parallel.attn_dp_size
                    and global_len == parallel.tp_size * local_len)
@@ -74,6 +80,9 @@ def exchange_rows(gather: Gather, ids: torch.Tensor, forward_batch) -> torch.Ten
     from sglang.srt.layers import dp_attention as dpa
     from sglang.srt.runtime_context import get_parallel
 
+    if forward_batch is None:
+        raise EngramError("an Engram lookup under attention data parallelism over row shards came without its "
+                          "forward batch, which the id exchange needs (SGLang's DP buffer layout)")
     parallel = get_parallel()
     global_len = dpa.get_global_dp_buffer_len()
     all_ids = ids.new_empty((global_len, *ids.shape[1:]))
