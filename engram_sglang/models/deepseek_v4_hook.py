@@ -230,7 +230,7 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
         why = unstaged_reason("deepseek_v4") or staged_graphs_refusal()
         if why:
             raise EngramError(f"--engram-disk-graphs on: {why}: start without it")
-    # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
+    # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP: `attention_rows`.
     return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
                         attention_parallel=True, per_process=True)
 
