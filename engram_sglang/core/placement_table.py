@@ -15,6 +15,17 @@ from typing import Any, Mapping
 from .errors import EngramError
 
 WHOLE, SHARD = "whole", "shard"
+# How a placement serves attention data/context parallelism, where the TP ranks hold different
+# tokens (`Placement.attention_rows`): whole rows from the node's shared copy, whole rows read
+# from the table files, or shards whose ranks exchange ids (serving/row_exchange.py).
+SHARED_COPY, FROM_FILES, EXCHANGE = "shared-copy", "files", "exchange"
+ATTENTION_ROWS_WHAT = {
+    SHARED_COPY: "every rank reads whole rows of its own tokens from the node's shared copy (no collective)",
+    FROM_FILES: "every rank reads whole rows of its own tokens from the table files into its own caches "
+                "(no collective; a row several ranks need is read once per rank)",
+    EXCHANGE: "each rank keeps its shard: the ranks exchange their ids per layer and each rank's rows come "
+              "back through an exact int32 reduce-scatter",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +61,8 @@ class Placement:
     whole_from_files : a rank that opens the whole layer reads its rows from the table files
         and holds no copy of them (only its caches): under attention data/context parallelism,
         where the TP ranks look up different tokens, each rank then reads the whole rows of its
-        own tokens with no collective.
+        own tokens with no collective (the default for the disk tier; `serving/row_exchange.py` is
+        placement-generic, so a store option could send it through the id exchange instead).
     """
 
     name: str
@@ -78,6 +90,14 @@ class Placement:
         defaults = {o.name: o.default for o in self.options}
         on = [options.get(name, defaults[name]) for name in self.whole_rows_with]
         return WHOLE if on and all(on) else SHARD
+
+    def attention_rows(self, options: Mapping[str, Any]) -> str:
+        """SHARED_COPY, FROM_FILES or EXCHANGE: how these options serve ranks of one TP group
+        that hold different tokens (attention DP/CP). Whole rows where each rank can have them
+        without a copy of its own; shards + id exchange otherwise (device, private host)."""
+        if self.rows_held(options) == WHOLE:
+            return SHARED_COPY
+        return FROM_FILES if self.whole_from_files else EXCHANGE
 
     def store_class(self):
         """The TableStore class (imports torch and the stores)."""

@@ -27,13 +27,23 @@ captured lookups read (serving/staged_rows.py); DSpark and encoder SWA bounded r
 refused in one line (`staged_graphs_refusal`), an Engram layer in the late-layer tail at load.
 
 Parallelism: under plain tensor parallelism a rank holds a shard of every table and the
-runtime all-reduces the rows (or reads whole rows where the placement's node copy allows it).
-Under attention data or context parallelism the ranks of the TP group hold different tokens,
-so a sum over them would mix requests: those ranks read whole rows with no collective, from
-the node's one shared host copy (`--engram-placement host --engram-host-shared on`) or from the
-table files (`--engram-placement disk`, each rank its own DRAM cache); device and private host
-copies are refused at start-up (upstream exchanges the ids of every attention-DP rank per layer
-instead, which this plugin does not do).
+runtime sums the rows over the TP ranks (their int32 view: exact on every vendor), or reads
+whole rows where the placement's node copy allows it. Under attention data or context
+parallelism the ranks of the TP group hold different tokens, so a plain sum would mix requests;
+the placement table says what each placement does instead (`Placement.attention_rows`,
+serving/startup.py `attention_rows`): the node's one shared host copy (`--engram-placement host
+--engram-host-shared on`) and the table files (`--engram-placement disk`, each rank its own DRAM
+cache) give every rank whole rows of its own tokens with no collective; device and private host
+shards exchange ids as upstream does (serving/row_exchange.py): per Engram layer, every
+attention-DP rank's ids are gathered with SGLang's `dp_gather_replicate`, each rank reads the
+rows its shard owns for all of them, and each rank's rows come back through an int32
+reduce-scatter (or all-reduce and `dp_scatter`, as SGLang's padding mode allows); a context-
+parallel prompt slice gathers the CP group's slices first. The exchange is per layer, not once
+per step for all layers: every rank must issue the same collectives in the same order, and a
+step's prefetch decision differs between ranks (an idle rank, an extend beside a decode, a
+prefill graph), while every rank runs every Engram layer's lookup (upstream's contract), in a
+CUDA graph too (host integers only: no sync). Attention DP and CP together over shards, and
+Engram modes on exchanged ids, are refused at start-up in one line.
 """
 
 from __future__ import annotations
@@ -92,7 +102,7 @@ class StoreEngramEmbedding(nn.Module):
 
     def forward(self, indices: torch.Tensor, forward_batch=None, *, cp_all_tokens: bool = False) -> torch.Tensor:
         # cp_all_tokens: upstream hashed the whole prompt and hands this rank its slice.
-        return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens)
+        return self.runtime.layer_rows(self.layer_id, indices, slice_of_step=cp_all_tokens, forward_batch=forward_batch)
 
 
 def begin_step_after_hashing(hasher, input_ids, forward_batch, hash_ids) -> None:
@@ -127,9 +137,11 @@ def _layers_read_these_ids(runtime, forward_batch, in_breakable_graph) -> bool:
     """Whether the layers will look up the very ids the hasher returned (else a prefetch
     would read rows nobody uses): not in a context-parallel prefill (each rank keeps a slice),
     not in a prefill CUDA graph (the hashing runs eagerly, the lookups were captured), not in
-    a capture (the step cannot reach the layers without Python state a replay would skip)."""
+    a capture (the step cannot reach the layers without Python state a replay would skip), not
+    where shards exchange ids under attention DP (each layer reads every rank's ids)."""
     extend = forward_batch.forward_mode.is_extend()
-    return not (runtime.capturing() or extend and (runtime.context_parallel or in_breakable_graph()))
+    return not (runtime.capturing() or runtime.row_exchange == "dp"
+                or extend and (runtime.context_parallel or in_breakable_graph()))
 
 
 def runtime_of(hasher):
@@ -218,7 +230,7 @@ def process_runtime(*, settings=None, model_path: Optional[str] = None, device=N
         why = unstaged_reason("deepseek_v4") or staged_graphs_refusal()
         if why:
             raise EngramError(f"--engram-disk-graphs on: {why}: start without it")
-    # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP ranks read whole rows.
+    # Upstream's hasher (tokenizer_path None), attached by `runtime_of`; attention DP/CP: `attention_rows`.
     return open_runtime(settings, parallel=parallel, table_dir=table_dir, model_path=model_path, device=device,
                         attention_parallel=True, per_process=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 # label -> SGLang's get_parallel() name. dp_rank/dp_size: the replica (--dp-size) and their
 # number; tp_rank is SGLang's, unique within a replica also under attention DP/CP (where the
-# runtime itself opens the tables as TP 1); attn_*: the attention DP group and CP rank;
+# runtime opens whole rows as TP 1); attn_*: the attention DP group and CP rank;
 # node_rank (added below): which node of `--nnodes` the rank runs on.
 _FROM_SGLANG = (("tp_rank", "tp_rank"), ("tp_size", "tp_size"), ("dp_rank", "dp_rank"), ("dp_size", "dp_size"),
                 ("pp_rank", "pp_rank"), ("pp_size", "pp_size"), ("attn_dp_rank", "attn_dp_rank"),

@@ -27,7 +27,6 @@ import torch
 from .. import __version__
 from ..core.config import EngramConfig
 from ..core.errors import EngramError
-from ..core.ops.gpu_runtime import HIP, torch_vendor
 from ..core.rowformat import row_checksums
 from ..core.stores import maintenance
 from ..core.stores.base import TableIOError
@@ -36,6 +35,7 @@ from . import pd
 from .identity import agree_over_tp_group, serving_identity
 from .modes import SLOTS
 from .ranks import rank_labels, stats_path
+from .row_exchange import context_rows, exact_sum_, exchange_rows
 from .settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -58,29 +58,6 @@ def agree_over_tp(flag: bool) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return bool(value.item())
-
-
-def row_sum_path(vendor: Optional[str]) -> str:
-    """How `sum_owned_rows` sums on `vendor` ("cuda", "hip", None: the CPU). On HIP SGLang may send
-    bf16 to quick all-reduce, which casts to fp16 or quantizes (ROCM_QUICK_REDUCE_QUANTIZATION):
-    rows would stop being exact. An int32 view is exact under any algorithm."""
-    return "int32-view" if vendor == HIP else "sglang"
-
-
-def sum_owned_rows(rows: torch.Tensor, vendor: Optional[str]) -> torch.Tensor:
-    """Sum bf16 row shards over the TP ranks. Each row lives on exactly one rank and the others
-    hold +0.0 (bits 0x0000), so adding the int32 view of bf16 pairs (rows are 256 wide: even)
-    gives the owner's bits; elsewhere SGLang's all-reduce keeps its fast paths (exact on +0.0)."""
-    from sglang.srt.distributed import get_tp_group, tensor_model_parallel_all_reduce
-
-    if row_sum_path(vendor) == "sglang":
-        return tensor_model_parallel_all_reduce(rows)
-    from sglang.srt.distributed.parallel_state import inplace_all_reduce
-
-    rows = rows.contiguous()
-    # Straight to RCCL (as upstream's _reduce_owned_rows): never quick or custom all-reduce.
-    inplace_all_reduce(rows.view(torch.int32), group_name=get_tp_group().unique_name)
-    return rows
 
 
 @dataclasses.dataclass
@@ -208,8 +185,11 @@ class EngramRuntime:
         # Rows are summed over the TP ranks only where some store holds a shard: with one host
         # copy per node every rank reads whole rows (the ranks agreed on it in open_store).
         self.reduce_rows = tp_size > 1 and not all(s.holds_whole_rows for s in self.stores.values())
-        # Whose all-reduce sums them (`row_sum_path`): the GPU runtime torch was built for.
-        self.row_vendor = torch_vendor() if self.device.type == "cuda" else None
+        # Under attention DP/CP (serving/startup.py `attention_rows`): how the placement serves ranks
+        # that hold different tokens, and with shards which lookups exchange ids ("dp": every one;
+        # "cp": a prompt slice's), through serving/row_exchange.py. None: plain TP.
+        self.attention_rows: Optional[str] = None
+        self.row_exchange: Optional[str] = None
         self.layer_index = {L: i for i, L in enumerate(cfg.layer_ids)}
         # --engram-disk-graphs: fixed buffers the captured decode forward reads for the layers
         # whose stores read on the host, filled before each replay (serving/staged_rows.py).
@@ -295,15 +275,22 @@ class EngramRuntime:
         for the models, which reach the stores' modules only through the runtime)."""
         return maintenance.capturing()
 
-    def layer_rows(self, layer_id: int, ids: torch.Tensor, *, slice_of_step: bool = False) -> torch.Tensor:
+    def layer_rows(self, layer_id: int, ids: torch.Tensor, *, slice_of_step: bool = False,
+                   forward_batch=None) -> torch.Tensor:
         """`rows` for a layer the step cannot be handed to (DeepSeek's, inside upstream's
         model): the current step's prefetched rows when `ids` are its own column, else a gather
         of `ids` as they come: a slice of the step's ids (`slice_of_step`: a context-parallel
         rank's), or a lookup being captured into a CUDA graph, which must gather the graph's own
         ids at every replay (its hashing ran in the capture, with no prefetch, or eagerly
-        outside it: the prefill graph)."""
+        outside it: the prefill graph). Shards under attention DP (every lookup) or CP (a
+        prompt slice's) exchange ids with the other ranks instead (`_exchanged_rows`)."""
         t0 = time.perf_counter()
         step = None if self.capturing() else self._current
+        if self.row_exchange == "dp" or (self.row_exchange == "cp" and slice_of_step):
+            rows = self._exchanged_rows(step, layer_id, ids, forward_batch, context=slice_of_step)
+            if step is not None:
+                step.engram_seconds += time.perf_counter() - t0
+            return rows
         staged = self.staged
         if step is None and staged is not None and layer_id in staged.layers and not slice_of_step and self.capturing():
             # A decode or target-verify graph captured with staged rows (--engram-disk-graphs):
@@ -311,7 +298,7 @@ class EngramRuntime:
             # rows of the step's own ids (`peek_step`), the eager gather's bits. Only the step's
             # own ids reach a captured lookup: a late-layer tail's subset is refused at load.
             rows = staged.view(layer_id, ids.shape[0])
-            return sum_owned_rows(rows, self.row_vendor) if self.reduce_rows else rows
+            return exact_sum_(rows) if self.reduce_rows else rows
         # The step's own column is the very view the hasher returned (same memory, shape and
         # strides): ids of the same shape with other contents are gathered as they come.
         col = step.hash_ids[:, self.layer_index[layer_id]] if step is not None else None
@@ -320,6 +307,28 @@ class EngramRuntime:
         rows = self.rows(step, layer_id, None if own else ids)
         if step is not None:
             step.engram_seconds += time.perf_counter() - t0
+        return rows
+
+    def _exchanged_rows(self, step: Optional[EngramStep], layer_id: int, ids: torch.Tensor, forward_batch, *,
+                        context: bool) -> torch.Tensor:
+        """Rows of this rank's `ids` from shards whose ranks hold different tokens
+        (serving/row_exchange.py): a collective every rank joins for every Engram layer, an idle
+        rank included, so nothing here may skip it. The step's own column reads its graph
+        padding as -1 (+0 rows, as the step's own gather does); no prefetch was issued for it
+        (deepseek_v4_hook `_layers_read_these_ids`)."""
+        own = False
+        if step is not None and not context:
+            col = step.hash_ids[:, self.layer_index[layer_id]]
+            own = col.data_ptr() == ids.data_ptr() and col.shape == ids.shape and col.stride() == ids.stride()
+            if own:
+                ids = mask_padding(ids, step.padding)
+        gather = self.stores[layer_id].gather
+        t0 = time.perf_counter()
+        rows = context_rows(gather, ids) if context else exchange_rows(gather, ids, forward_batch)
+        if step is not None:
+            step.wait_seconds += time.perf_counter() - t0
+            if self._trace is not None and own:
+                step.rows[layer_id] = rows
         return rows
 
     def peek_step(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,7 +445,7 @@ class EngramRuntime:
         if step is not None:
             step.wait_seconds += time.perf_counter() - t0
         if self.reduce_rows:
-            rows = sum_owned_rows(rows, self.row_vendor)
+            rows = exact_sum_(rows)
         if own and step.keep is not None:
             # Tokens with Engram off read nothing: +0.0 rows (what the reference uses).
             full = rows.new_zeros(step.hash_ids.shape[0], *rows.shape[1:])
@@ -561,6 +570,8 @@ class EngramRuntime:
                 "table_fingerprint": self.cfg.fingerprint(),  # the Engram config they are for (manifest)
                 "prefetch": self.settings.prefetch,
                 "rows_all_reduced": self.reduce_rows,  # False: every rank reads whole rows (or TP 1)
+                # Under attention DP/CP: shared-copy, files or exchange (core/placement_table.py); None: plain TP.
+                "attention_rows": self.attention_rows,
                 "steps": self._steps,  # eager forwards (tokens, seconds below are theirs)
                 "forward_steps": self._forward_steps,  # every step, CUDA-graph replays included
                 "tokens": self._tokens,

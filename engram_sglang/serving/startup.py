@@ -65,15 +65,18 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
         None: the model brings its own hasher, attached once it exists.
     device : where rows are returned (None: torch's default device).
     attention_parallel : the model may run attention data or context parallelism, whose TP ranks
-        hold different tokens: they read whole rows or are refused (`rank_rows`).
+        hold different tokens: they read whole rows or exchange ids (`attention_rows`).
     per_process : one runtime per process for these tables, placement, device and ranks, found
         again by every later call (and by the model's hasher: its `hook_key`).
     """
-    tp_rank, tp_size = rank_rows(settings, parallel) if attention_parallel else (parallel.tp_rank, parallel.tp_size)
     device = torch.device(device if device is not None else torch.get_default_device())
-    whole_rows = tp_size < parallel.tp_size  # the TP ranks hold different tokens
-    context_parallel = whole_rows and parallel.attn_cp_size > 1  # lookups of a slice of the prompt
     try:
+        how = attention_rows(settings, parallel) if attention_parallel else None
+        tp_rank, tp_size = rank_rows(settings, parallel) if how is not None else (parallel.tp_rank, parallel.tp_size)
+        whole_rows = tp_size < parallel.tp_size  # the TP ranks hold different tokens: each reads whole rows
+        context_parallel = how is not None and parallel.attn_cp_size > 1  # lookups of a slice of the prompt
+        # Shards under attention DP/CP: "dp" exchanges every lookup's ids, "cp" a prompt slice's.
+        exchange = None if how is None or whole_rows else ("dp" if parallel.attn_dp_size > 1 else "cp")
         table_dir = table_dir if table_dir is not None else resolve_table_dir(settings, model_path)
         key = (str(table_dir), settings.placement, str(device), tp_rank, tp_size)
         if per_process:
@@ -84,6 +87,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
         cfg = cfg if cfg is not None else _engram_config(model_path, table_dir)
         hasher = _ngram_hasher(cfg, tokenizer_path) if tokenizer_path is not None else None
         runtime = EngramRuntime(cfg, hasher, settings, table_dir, device, tp_rank=tp_rank, tp_size=tp_size)
+        runtime.attention_rows, runtime.row_exchange = how, exchange
         try:
             _check_servable(runtime, settings, whole_rows=whole_rows, context_parallel=context_parallel)
         except EngramError:
@@ -150,6 +154,9 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
     check_write_target("--engram-stats-file", runtime._stats_path)
     check_capturable(runtime.stores.values(), runtime.device, trace=settings.trace,
                      staged=runtime.staged is not None, modes=modes_in_use(settings))
+    if modes_in_use(settings) and context_parallel:
+        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
+                          "parallel rank's slice of the prompt: start without attention context parallelism")
     if not whole_rows:
         return
     from ..core.placement_table import placement
@@ -163,9 +170,6 @@ def _check_servable(runtime: EngramRuntime, settings: ServeSettings, *, whole_ro
             f"attention data/context parallelism reads whole rows from the node's shared copy, but layer(s) "
             f"{private} fell back to a private copy ({settings.shm_dir} has too little free space, see the "
             f"warning above): give Docker --shm-size or --ipc=host, or free {settings.shm_dir}")
-    if modes_in_use(settings) and context_parallel:
-        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to a context-"
-                          "parallel rank's slice of the prompt: start without attention context parallelism")
 
 
 def check_write_target(flag: str, path) -> None:
@@ -193,25 +197,40 @@ def check_write_target(flag: str, path) -> None:
         raise EngramError(f"{flag} {path}: the filesystem of {where} is full: free space or give another path")
 
 
-def rank_rows(settings, parallel) -> tuple[int, int]:
-    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
-    context parallelism the TP ranks look up different tokens, so no sum over them can
-    reassemble rows: every rank opens the tables whole (tp_size 1: no collective, whatever
-    the other ranks hold) where the placement table says its options give whole rows (the
-    node's shared host copy), or the start is refused."""
-    from ..core.placement_table import WHOLE, placement
+def attention_rows(settings, parallel) -> Optional[str]:
+    """How the placement serves ranks of one TP group that hold different tokens (attention
+    data or context parallelism, TP > 1): the placement table's SHARED_COPY, FROM_FILES or
+    EXCHANGE (core/placement_table.py `Placement.attention_rows`); None: the ranks hold the
+    same tokens. What the exchange cannot serve yet is refused in one line."""
+    from ..core.placement_table import EXCHANGE, placement
+    from .modes import modes_in_use
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
-        return parallel.tp_rank, parallel.tp_size
-    spec = placement(settings.placement)
-    # --engram-host-whole-rows auto counts as on here: the one host layout these ranks can
-    # serve. The disk tier opens the whole layer per rank: it reads the files, holding no copy.
-    if not spec.whole_from_files and spec.rows_held(settings.store_options()) != WHOLE:
+        return None
+    # --engram-host-whole-rows auto counts as on with a shared copy: no collective at all.
+    how = placement(settings.placement).attention_rows(settings.store_options())
+    if how == EXCHANGE and parallel.attn_dp_size > 1 and parallel.attn_cp_size > 1:
         raise EngramError(
-            f"attention data/context parallelism (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
-            f"{parallel.attn_cp_size}) gives the ranks different tokens, so engram-sglang reads whole rows there: "
-            f"use --engram-placement host --engram-host-shared on --engram-host-whole-rows on (one copy per node, no "
-            f"collective) or --engram-placement disk (each rank reads its tokens' rows from the files); placement "
-            f"{settings.placement} with these options shards rows over ranks, which would need every rank's ids per "
-            f"layer (not supported)")
+            f"attention data and context parallelism together (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
+            f"{parallel.attn_cp_size}) with row shards ({settings.placement} placement) is not supported: use "
+            f"--engram-placement host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk "
+            f"(every rank reads whole rows of its own tokens)")
+    if how == EXCHANGE and parallel.attn_dp_size > 1 and modes_in_use(settings):
+        # Modes pick a step's tokens on each rank; an exchanged lookup reads every rank's ids as they come.
+        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to ids exchanged between "
+                          "attention data-parallel ranks: start without them, or serve whole rows (--engram-placement "
+                          "host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk)")
+    return how
+
+
+def rank_rows(settings, parallel) -> tuple[int, int]:
+    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
+    context parallelism (`attention_rows`) a placement that gives every rank whole rows opens
+    the tables whole (tp_size 1: no collective, whatever the other ranks hold); one that keeps
+    shards keeps SGLang's TP ranks, and its ranks exchange ids (serving/row_exchange.py)."""
+    from ..core.placement_table import EXCHANGE
+
+    how = attention_rows(settings, parallel)
+    if how is None or how == EXCHANGE:
+        return parallel.tp_rank, parallel.tp_size
     return 0, 1

@@ -55,7 +55,7 @@ def choose(*, cfg, tp: int, device_name: Optional[str], cache_share: float = 0.0
     planner's pick (`compare`, decode and prefill as `engram-sglang plan` weighs them), with
     a hot-row cache of `cache_share` of each layer's rows per GPU at each layout's hit rate.
     Whole rows wherever there is nothing to weigh (TP 1, no GPU, a GPU the file lacks): the
-    behaviour before `auto`, and the one layout attention data parallelism can serve."""
+    behaviour before `auto`, and what attention data parallelism reads from a shared copy."""
     from ..core.planning.data import load_gpus
     from ..core.planning.model import DECODE_BATCH, PREFILL_CHUNK, lines_per_row, row_bytes
     from ..core.planning.whole_rows import compare, layout_hit_rates, sku_for_device

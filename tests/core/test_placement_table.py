@@ -229,11 +229,11 @@ def _runtime(root, tmp_path, monkeypatch, shared: bool, tp_rank: int = 0, whole:
 
 
 def test_the_runtime_does_not_all_reduce_whole_rows(tables, tmp_path, monkeypatch, rng):
-    import sglang.srt.distributed as distributed
+    from engram_sglang.serving import runtime as runtime_module
 
     root, rows = tables
     reduced = []
-    monkeypatch.setattr(distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t) or t * 2)
+    monkeypatch.setattr(runtime_module, "exact_sum_", lambda t: reduced.append(t) or t * 2)  # the one row sum
     ids = torch.randint(0, min(r.shape[0] for r in rows.values()), (8, len(CFG.layer_ids), 12), generator=rng)
     # "auto" (the default) on the CPU: whole rows, as before auto (serving/whole_rows_auto.py).
     for shared, whole in ((True, True), (False, True), (True, False), (True, "auto")):

@@ -490,40 +490,71 @@ def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel,
         emb.runtime.close()
 
 
-@pytest.mark.parametrize("placement, options", [
-    ("host", {"host_shared": True}), ("host", {}), ("host", {"host_shared": True, "host_whole_rows": False}),
-    ("device", {}), ("disk", {}), ("disk", {"disk_dram_cache_mib": 1})])
-def test_dsv4_attn_dp_reads_whole_rows_or_is_refused(table, tmp_path, placement, options):
+@pytest.mark.parametrize("placement, options, how", [
+    ("host", {"host_shared": True}, "shared-copy"), ("host", {}, "exchange"),
+    ("host", {"host_shared": True, "host_whole_rows": False}, "exchange"),
+    ("device", {}, "exchange"), ("disk", {}, "files"), ("disk", {"disk_dram_cache_mib": 1}, "files")])
+def test_dsv4_attn_dp_serves_every_placement(table, tmp_path, placement, options, how):
     """Under attention DP the TP ranks hold different tokens: with the node's shared host copy
     every rank reads whole rows (no all-reduce), and so does the disk tier (each rank opens the
-    whole layer: it reads the files and holds no copy, only its DRAM cache); a placement that
-    shards rows is refused with the reason, before anything is opened."""
+    whole layer: it reads the files and holds no copy, only its DRAM cache); device and private
+    host shards keep SGLang's TP ranks and exchange ids per layer (the exchange itself, over
+    real ranks: tests/models/test_dsv4_attn_dp_exchange.py). The placement table says which."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from engram_sglang.core.placement_table import placement as spec
+    from engram_sglang.models.deepseek_v4_hook import _layers_read_these_ids, process_runtime
+    from engram_sglang.serving import startup
+    from engram_sglang.serving.settings import ServeSettings
+
+    table_dir, packed, layout = table
+    if placement == "host":
+        options = dict(options, shm_dir=str(tmp_path))
+    settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
+    assert spec(placement).attention_rows(settings.store_options()) == how
+    with get_parallel().override(tp_size=2, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=1,
+                                 attn_cp_size=1, attn_cp_rank=0) as par:
+        assert startup.attention_rows(settings, par) == how
+        if how == "exchange":
+            # SGLang's TP rank and size: a shard per rank (opening one needs the TP group's ranks:
+            # tests/models/test_dsv4_attn_dp_exchange.py opens them and exchanges ids for real).
+            assert startup.rank_rows(settings, par) == (1, 2)
+            return
+        runtime = process_runtime(settings=settings, device="cpu", parallel=par)
+    try:
+        assert runtime.attention_rows == how == runtime.stats()["attention_rows"]
+        decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
+        assert (runtime.tp_rank, runtime.tp_size, runtime.row_exchange) == (0, 1, None)  # whole rows: no sum
+        assert not runtime.reduce_rows and all(s.row_range == (0, s.rows) for s in runtime.stores.values())
+        assert _layers_read_these_ids(runtime, decode, lambda: False)
+        ids = torch.randint(0, layout.rows(LAYER), (9, 6))
+        got = runtime.rows(None, LAYER, ids)
+        assert torch.equal(bf16_bits(got), expected(packed[LAYER], ids))
+    finally:
+        runtime.close()
+
+
+def test_dsv4_attn_dp_refusals_are_one_line(table, tmp_path):
+    """What the exchange does not serve is refused before anything opens, in one line: attention
+    DP and CP together over shards, and Engram modes on exchanged ids."""
     from sglang.srt.runtime_context import get_parallel
 
     from engram_sglang.core.errors import EngramError
     from engram_sglang.models.deepseek_v4_hook import process_runtime
     from engram_sglang.serving.settings import ServeSettings
 
-    table_dir, packed, layout = table
-    shared = options.get("host_shared") and options.get("host_whole_rows", True) or placement == "disk"
-    if placement == "host":
-        options = dict(options, shm_dir=str(tmp_path))
-    settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
+    table_dir, _, _ = table
+    with get_parallel().override(tp_size=4, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=0,
+                                 attn_cp_size=2, attn_cp_rank=1) as par:
+        with pytest.raises(EngramError, match="data and context parallelism together") as e:
+            process_runtime(settings=ServeSettings(placement="device", table_dir=str(table_dir)), device="cpu",
+                            parallel=par)
+        assert "\n" not in str(e.value)
     with get_parallel().override(tp_size=2, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=1,
                                  attn_cp_size=1, attn_cp_rank=0) as par:
-        if not shared:
-            with pytest.raises(EngramError, match="host-shared on"):
-                process_runtime(settings=settings, device="cpu", parallel=par)
-            return
-        runtime = process_runtime(settings=settings, device="cpu", parallel=par)
-    try:
-        assert (runtime.tp_rank, runtime.tp_size) == (0, 1)  # whole rows: no sum over ranks
-        assert not runtime.reduce_rows and all(s.row_range == (0, s.rows) for s in runtime.stores.values())
-        ids = torch.randint(0, layout.rows(LAYER), (9, 6))
-        got = runtime.rows(None, LAYER, ids)
-        assert torch.equal(bf16_bits(got), expected(packed[LAYER], ids))
-    finally:
-        runtime.close()
+        with pytest.raises(EngramError, match="exchanged between attention data-parallel ranks"):
+            process_runtime(settings=ServeSettings(placement="device", table_dir=str(table_dir), mode="off"),
+                            device="cpu", parallel=par)
 
 
 def test_dsv4_disk_graphs_stage_the_host_reading_layers(table):

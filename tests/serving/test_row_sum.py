@@ -1,6 +1,8 @@
-"""Row shards summed over TP ranks stay bit-exact on ROCm even where SGLang's all-reduce is lossy
-(quick all-reduce casts bf16 to fp16 or quantizes it): `EngramRuntime.rows` sums an int32 view
-there; on CUDA it keeps SGLang's all-reduce. A stand-in all-reduce of two ranks shows it on the CPU."""
+"""Row shards summed over TP ranks stay bit-exact where SGLang's all-reduce is lossy (ROCm's
+quick all-reduce casts bf16 to fp16 or quantizes it; any float algorithm may): `EngramRuntime.rows`
+sums their int32 view (serving/row_exchange.py `exact_sum_`) on every vendor, CUDA included. A
+stand-in all-reduce of two ranks that rounds float inputs through fp16 and adds integers exactly
+shows it on the CPU, for the GPU path (SGLang's `inplace_all_reduce`) and the CPU one (gloo)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch
 sglang_distributed = pytest.importorskip("sglang.srt.distributed")
 from sglang.srt.distributed import parallel_state  # noqa: E402
 
-from engram_sglang.serving.runtime import EngramRuntime, row_sum_path  # noqa: E402
+from engram_sglang.serving import row_exchange  # noqa: E402
+from engram_sglang.serving import runtime as runtime_module  # noqa: E402
+from engram_sglang.serving.runtime import EngramRuntime  # noqa: E402
 
 T, C, W = 64, 2, 256
 
@@ -50,6 +54,10 @@ class LossyAllReduce:
         self.calls.append(("inplace", t.dtype))
         t.copy_(self._sum(t))
 
+    def torch_all_reduce(self, t, group=None, op=None):
+        self.calls.append(("torch", t.dtype))
+        t.copy_(self._sum(t))
+
 
 @pytest.fixture
 def lossy(monkeypatch):
@@ -57,34 +65,38 @@ def lossy(monkeypatch):
     fake = LossyAllReduce(other)
     monkeypatch.setattr(sglang_distributed, "tensor_model_parallel_all_reduce", fake.outplace)
     monkeypatch.setattr(parallel_state, "inplace_all_reduce", fake.inplace)
-    monkeypatch.setattr(sglang_distributed, "get_tp_group", lambda: types.SimpleNamespace(unique_name="tp:0"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake.torch_all_reduce)
+    monkeypatch.setattr(sglang_distributed, "get_tp_group",
+                        lambda: types.SimpleNamespace(unique_name="tp:0", device_group="gloo"))
     return full, mine, fake
 
 
-def _rows(mine: torch.Tensor, vendor):
+def _rows(mine: torch.Tensor):
     """`EngramRuntime.rows` of a TP-2 rank whose store returns `mine` (no step: ids given)."""
     store = types.SimpleNamespace(gather=lambda ids: mine.clone())
     rt = types.SimpleNamespace(layer_index={3: 0}, settings=types.SimpleNamespace(debug=()), stores={3: store},
                                cfg=types.SimpleNamespace(head_dim=W), device=torch.device("cpu"), reduce_rows=True,
-                               row_vendor=vendor, _trace=None)
+                               _trace=None)
     return EngramRuntime.rows(rt, None, 3, torch.zeros(T, C, dtype=torch.int64))
 
 
-def test_hip_rows_are_bit_exact_through_a_lossy_all_reduce(lossy):
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "cpu"])
+def test_rows_are_bit_exact_through_a_lossy_all_reduce(lossy, monkeypatch, on_gpu):
     full, mine, fake = lossy
-    assert row_sum_path("hip") == "int32-view"
-    out = _rows(mine, "hip")
+    monkeypatch.setattr(row_exchange, "_on_gpu", lambda t: on_gpu)  # CUDA and HIP take the same path
+    out = _rows(mine)
     assert out.dtype == torch.bfloat16 and out.shape == full.shape
     assert torch.equal(out.view(torch.int16), full.view(torch.int16))
-    assert fake.calls == [("inplace", torch.int32)]
+    assert fake.calls == [("inplace" if on_gpu else "torch", torch.int32)]
 
 
-def test_cuda_keeps_sglangs_all_reduce(lossy):
+def test_restoring_the_bf16_sum_breaks_the_rows(lossy, monkeypatch):
+    """Negative control: CUDA's former path (SGLang's bf16 all-reduce) through the same stand-in
+    changes the rows, so the test above shows something."""
     full, mine, fake = lossy
-    assert row_sum_path("cuda") == row_sum_path(None) == "sglang"
-    out = _rows(mine, "cuda")
+    monkeypatch.setattr(runtime_module, "exact_sum_", lambda rows: sglang_distributed.tensor_model_parallel_all_reduce(rows))
+    out = _rows(mine)
     assert fake.calls == [("sglang", torch.bfloat16)]
-    # Negative control: the stand-in is lossy on bf16, so the test above shows something.
     assert not torch.equal(out.view(torch.int16), full.view(torch.int16))
 
 

@@ -1,0 +1,180 @@
+"""DeepSeek-V4.1's attention data parallelism over row shards, for real: 2 and 4 processes
+(gloo), each an attention-DP rank of one TP group (attention DP = TP) with its own token count
+(one rank idle), serve their Engram lookups through our StoreEngramEmbedding under SGLang's own
+parallel state (a GroupCoordinator over gloo) and dp_attention helpers. Each rank's rows must be
+the whole rows of its OWN ids bit for bit, for device and private host shards, in SGLang's
+SUM_LEN (all-reduce + dp_scatter) and MAX_LEN (reduce-scatter) padding modes, with every float
+sum made lossy (an fp16 round trip, as ROCm's quick all-reduce does) and integers summed
+exactly. Negative controls in the same processes: ranks that skip the exchange, and ranks that
+sum the bf16 rows instead of their int32 view, must get other bits."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engram_sglang import EngramLayout
+from engram_sglang.core.rowformat import ROW_BYTES, ROW_VALUES, bf16_bits, dequantize
+from engram_sglang.core.tablefile import write_tables
+from tests.support.tables import small_config
+
+pytest.importorskip("sglang.srt.layers.dp_attention", reason="needs the installed sglang")
+
+CFG = small_config(300, layer_ids=(2, 5), n_heads=2)
+COUNTS = {2: [7, 0], 4: [5, 0, 11, 1]}  # tokens per attention-DP rank (one idle)
+PLACEMENTS = {"device": {}, "host": {"host_shared": False}}
+CASES = ("sum_len", "max_len", "skip", "bf16")  # the last two: negative controls
+
+
+def _ids(layout: EngramLayout, rank: int, n: int) -> torch.Tensor:
+    """`n` tokens' ids [n, C] of layer 5, each column in its own segment; rank 0's first id
+    is the table's first row, its last id the last row."""
+    bounds = layout.column_bounds(layout.layer_index(5))
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.stack([lo + torch.randint(0, hi - lo, (n,), generator=g) for lo, hi in zip(bounds, bounds[1:])], 1)
+    if n and rank == 0:
+        ids[0, 0], ids[-1, -1] = 0, bounds[-1] - 1
+    return ids
+
+
+def _lossy_all_reduce(real):
+    """torch.distributed.all_reduce where a float input makes an fp16 round trip first."""
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.is_floating_point():
+            exact = tensor.float()
+            real(exact, *args, **kwargs)
+            tensor.copy_(exact.half().to(tensor.dtype))
+            return None
+        return real(tensor, *args, **kwargs)
+
+    return all_reduce
+
+
+def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, out_dir: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention as dpa
+    from sglang.srt.runtime_context import get_parallel
+
+    import engram_sglang.serving.row_exchange as row_exchange
+    from engram_sglang.models.deepseek_v4_hook import StoreEngramEmbedding, _layers_read_these_ids, process_runtime
+    from engram_sglang.serving.settings import ServeSettings
+
+    # SGLang registers its collective custom ops for CUDA only: on the CPU its GroupCoordinator
+    # methods run their bodies directly (the same ones the ops call), over gloo.
+    parallel_state._is_cpu = True
+    dpa.memcpy_func = dpa.memcpy_cpu  # (chosen at import by SGLang's device, not by the tensor's)
+    parallel_state.inplace_all_reduce = lambda t, group_name: parallel_state._groups[group_name]()._all_reduce_in_place(t)
+    dist.all_reduce = _lossy_all_reduce(dist.all_reduce)
+    group = parallel_state.GroupCoordinator(
+        [list(range(world))], rank, "gloo", use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
+        group_name="tp")
+    layout = EngramLayout(CFG)
+    counts = COUNTS[world]
+    out = {}
+    try:
+        with get_parallel().override(tp_size=world, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0,
+                                     attn_dp_size=world, attn_dp_rank=rank, attn_cp_size=1, attn_cp_rank=0,
+                                     tp_group=group) as par:
+            for placement, options in PLACEMENTS.items():
+                settings = ServeSettings(placement=placement, table_dir=table_dir, shm_dir=shm_dir, **options)
+                runtime = process_runtime(settings=settings, device="cpu", parallel=par)
+                embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+                decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
+                out[placement, "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange,
+                                            runtime.attention_rows, _layers_read_these_ids(runtime, decode, bool))
+                for case in CASES:
+                    max_len = case == "max_len"
+                    n = max(counts) if max_len else counts[rank]  # MAX_LEN pads every rank to the longest
+                    ids = _ids(layout, rank, n)
+                    sizes = [max(counts)] * world if max_len else counts
+                    fb = _batch(dpa, sizes, max_len)
+                    dpa.set_dp_buffer_len(sum(sizes), sizes[rank], max_len, sizes)
+                    real_exchange, real_sum = row_exchange.exchange_rows, row_exchange.exact_sum_
+                    from engram_sglang.serving import runtime as runtime_module
+
+                    if case == "skip":  # every rank reads its own shard of its own ids, nothing exchanged
+                        runtime_module.exchange_rows = lambda gather, ids, fb: gather(ids)
+                    if case == "bf16":  # the rows summed as bf16 through SGLang's all-reduce (CUDA's old path)
+                        row_exchange.exact_sum_ = lambda rows, g: g.all_reduce(rows)
+                    try:
+                        rows = embed(ids, fb)
+                    finally:
+                        runtime_module.exchange_rows, row_exchange.exact_sum_ = real_exchange, real_sum
+                    out[placement, case] = (ids[:counts[rank]], rows[:counts[rank]])
+                runtime.close()
+        # Attention context parallelism (CP = TP): a prompt slice's ids are gathered over the CP
+        # group (upstream's way); a decode lookup, the same tokens on every rank, is summed.
+        with get_parallel().override(tp_size=world, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+                                     attn_dp_rank=0, attn_cp_size=world, attn_cp_rank=rank, tp_group=group,
+                                     attn_cp_group=group) as par:
+            runtime = process_runtime(settings=ServeSettings(placement="device", table_dir=table_dir), device="cpu",
+                                      parallel=par)
+            embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+            out["cp", "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange, runtime.attention_rows)
+            ids = _ids(layout, rank, 3)
+            out["cp", "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
+            ids = _ids(layout, 0, 4)
+            out["cp", "decode"] = (ids, embed(ids, None))
+            runtime.close()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (gloo's threads may abort an exiting process under load: see test_stores_distributed.py)
+
+
+def _batch(dpa, sizes, max_len: bool):
+    mode = dpa.DpPaddingMode.MAX_LEN if max_len else dpa.DpPaddingMode.SUM_LEN
+    return SimpleNamespace(global_num_tokens_gpu=torch.tensor(sizes), global_num_tokens_cpu=list(sizes),
+                           dp_padding_mode=mode, dp_local_start_pos=None, dp_local_num_tokens=None)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    layout = EngramLayout(CFG)
+    gen = torch.Generator().manual_seed(11)
+    rows = {L: torch.randint(0, 256, (layout.rows(L), ROW_BYTES), dtype=torch.uint8, generator=gen) for L in CFG.layer_ids}
+    # Scale bytes near the top of e8m0: rows far beyond fp16's range, so a lossy float sum shows.
+    rows[5][:, 256:] = torch.randint(150, 200, (layout.rows(5), ROW_BYTES - 256), dtype=torch.uint8, generator=gen)
+    return write_tables(tmp_path_factory.mktemp("attndp") / "t", CFG, rows, progress=False), rows, layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, tmp_path, world):
+    table_dir, packed, layout = table
+    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(table_dir), str(tmp_path), str(tmp_path)),
+                       nprocs=world, start_method="spawn")
+    for rank in range(world):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        for placement in PLACEMENTS:
+            # A shard on SGLang's TP rank; no prefetch of the step's own ids (each layer exchanges them).
+            assert out[placement, "opened"] == (rank, world, "dp", "exchange", False)
+            for case in CASES:
+                ids, rows = out[placement, case]
+                assert ids.shape[0] == COUNTS[world][rank]
+                want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+                same = torch.equal(bf16_bits(rows), want)
+                if case in ("skip", "bf16") and ids.shape[0]:
+                    assert not same, (rank, placement, case)  # the negative controls show the test can fail
+                else:
+                    assert same, (rank, placement, case)
+            if rank == 0:  # the table's first and last rows were among them (ids in every column: `_ids`)
+                ids = out[placement, "sum_len"][0]
+                assert ids[0, 0] == 0 and ids[-1, -1] == layout.rows(5) - 1
+        assert out["cp", "opened"] == (rank, world, "cp", "exchange")
+        for case in ("slice", "decode"):
+            ids, rows = out["cp", case]
+            want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+            assert torch.equal(bf16_bits(rows), want), (rank, case)
