@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's attention data parallelism over row shards, for real: 2 and 4 processes
+"""DeepSeek-V4.1's attention data parallelism over row shards, for real: 2 processes
 (gloo), each an attention-DP rank of one TP group (attention DP = TP) with its own token count
 (one rank idle), serve their Engram lookups through our StoreEngramEmbedding under SGLang's own
 parallel state (a GroupCoordinator over gloo) and dp_attention helpers. Each rank's rows must be
@@ -151,7 +151,7 @@ def table(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])  # 4 (COUNTS) passes too; 2 keeps the suite's time
 def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, tmp_path, world):
     table_dir, packed, layout = table
     mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(table_dir), str(tmp_path), str(tmp_path)),
