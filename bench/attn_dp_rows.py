@@ -22,12 +22,14 @@ rows (T_all x 24 x 256 x 2 B: (DP-1)/DP of it per GPU) at each SKU's GPU link pe
 Exposed per step = reads + exchange, against the planner's assumed 20 ms decode step.
 
 Ids: bench/shard_balance.py's (profile corpora, BPE trained here, the project's hasher,
-configs/deepseek-v4.1-flash.json). Decode: 256 streams per rank, one token each a step;
-prefill: one 8192-token chunk per rank a step. DRAM cache per rank: the planner's size (the
-smallest of `plan --placement disk`'s DRAM-cache sweep whose exposed time fits its step budget,
-computed here), a quarter of it and 16x it.
+configs/deepseek-v4.1-flash.json). Decode: 256 streams per rank, one token each a step (128
+steps); prefill: one 8192-token chunk per rank a step (4 steps); the first half of the steps
+warm the caches. DRAM cache per rank: the planner's size (the smallest of `plan --placement
+disk`'s DRAM-cache sweep whose exposed time fits its step budget, computed here) and 16x it.
+About 15 minutes on 2 busy cores (the replay is the store's numpy policy, a call per rank,
+layer and step).
 
-    python -m bench.attn_dp_rows [--json F] [--png F] [--quick]
+    python -m bench.attn_dp_rows [--json F] [--png F] [--dps 2 4 8] [--quick]
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ def in_ranges(uniq: np.ndarray, ranges) -> np.ndarray:
     return np.concatenate(parts) if parts else uniq[:0]
 
 
-def fetches(steps: list[list[np.ndarray]], scheme: str, rank: int, ranges=None) -> list[np.ndarray]:
+def fetches(steps: list[list[np.ndarray]], scheme: str, rank: int, ranges=None, unions=None) -> list[np.ndarray]:
     """The distinct ids rank `rank` fetches each step: its own tokens' (whole), or all ranks'
-    that its shard `ranges` holds (shard)."""
+    that its shard `ranges` holds (shard; `unions`: each step's distinct ids, if known)."""
     if scheme == "whole":
         return [np.unique(step[rank]) for step in steps]
-    return [in_ranges(np.unique(np.concatenate([a.reshape(-1) for a in step])), ranges) for step in steps]
+    if unions is None:
+        unions = [np.unique(np.concatenate([a.reshape(-1) for a in step])) for step in steps]
+    return [in_ranges(u, ranges) for u in unions]
 
 
 # ------------------------------------------------------------------------ replay
@@ -117,9 +121,10 @@ def scheme_reads(steps: list[list[np.ndarray]], scheme: str, bounds, dram_bytes:
     which covers the whole table (whole) or the rank's shard (shard)."""
     dp = len(steps[0])
     fetched, reads = np.zeros((2, len(steps), dp), np.int64)
+    unions = [np.unique(np.concatenate([a.reshape(-1) for a in step])) for step in steps] if scheme == "shard" else None
     for r in range(dp):
         ranges = column_shards(bounds, r, dp) if scheme == "shard" else [(int(bounds[0]), int(bounds[-1]))]
-        calls = fetches(steps, scheme, r, ranges)
+        calls = fetches(steps, scheme, r, ranges, unions)
         fetched[:, r] = [c.shape[0] for c in calls]
         reads[:, r] = replay_reads(calls, ranges_rows(ranges), dram_bytes)
     return fetched, reads
@@ -170,7 +175,8 @@ def measure_iops(seconds: float, mib: int) -> dict:
 
 
 # ------------------------------------------------------------------------ run
-def measure(args) -> dict:
+def measure(args, done=None) -> dict:
+    """The whole run; `done(payload)` after each DP (the results so far, written as they come)."""
     t0 = time.perf_counter()
     cfg, layout, ids, tokenizer = hashed_corpus(args.vocab)
     hashed_s = time.perf_counter() - t0
@@ -180,6 +186,21 @@ def measure(args) -> dict:
     layers, columns = len(cfg.layer_ids), cfg.hash_columns
     rows = [int(r) for r in layout.num_embeddings]
     results, planner = [], {}
+
+    def payload() -> dict:
+        return {
+            "config": cfg.source, "columns": columns, "rows_per_layer": rows, "tokenizer": tokenizer,
+            "hash_seconds": round(hashed_s, 1), "disk": {"planner": {"iops": disk_model.DEFAULT_IOPS, "latency_ms": lat0,
+                                                                      "source": "planning/disk.py DEFAULT_IOPS, DEFAULT_LATENCY_MS (assumption)"},
+                                                          "measured": disk},
+            "planner_cache": planner, "step_ms": disk_model.DEFAULT_STEP_MS,
+            "budget_ms": disk_model.step_budget_ms(disk_model.DEFAULT_STEP_MS),
+            "steps": {"decode": args.decode_steps, "prefill": args.prefill_steps, "warm": "the first half"},
+            "gpu_link_gbps": {k: g.gpu_link_gbps for k, g in gpus.items()},
+            "collective_latency_s": ALLREDUCE_LATENCY_S, "load_average": os.getloadavg(),
+            "seconds": round(time.perf_counter() - t0, 1), "results": results,
+        }
+
     for dp in args.dps:
         planner[dp] = planner_cache_gib(dp)
         sizes = sorted({planner[dp]["gib"] * k for k in args.cache_scales})
@@ -217,17 +238,9 @@ def measure(args) -> dict:
                     })
                     print(f"  {shape} DP{dp} {gib:g} GiB {scheme}: {reads.max(1).mean():,.0f} reads on the slowest rank, "
                           f"{read['planner']:.2f} ms at 1M IOPS ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return {
-        "config": cfg.source, "columns": columns, "rows_per_layer": rows, "tokenizer": tokenizer,
-        "hash_seconds": round(hashed_s, 1), "disk": {"planner": {"iops": disk_model.DEFAULT_IOPS, "latency_ms": lat0,
-                                                                  "source": "planning/disk.py DEFAULT_IOPS, DEFAULT_LATENCY_MS (assumption)"},
-                                                      "measured": disk},
-        "planner_cache": planner, "step_ms": disk_model.DEFAULT_STEP_MS,
-        "budget_ms": disk_model.step_budget_ms(disk_model.DEFAULT_STEP_MS),
-        "gpu_link_gbps": {k: g.gpu_link_gbps for k, g in gpus.items()},
-        "collective_latency_s": ALLREDUCE_LATENCY_S, "load_average": os.getloadavg(),
-        "seconds": round(time.perf_counter() - t0, 1), "results": results,
-    }
+        if done is not None:
+            done(payload())
+    return payload()
 
 
 def verdicts(results: list[dict]) -> list[dict]:
@@ -276,15 +289,21 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="DP 2, 8 decode steps, 2 prefill steps, the planner's cache only")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dps", type=int, nargs="+", default=list(DPS))
-    p.add_argument("--steps", type=int, default=1 << 30,
-                   help="at most this many steps per shape (default: all the corpus gives, the first half warming)")
+    p.add_argument("--decode-steps", type=int, default=128, help="decode steps per DP, the first half warming")
+    p.add_argument("--prefill-steps", type=int, default=4, help="prefill steps (one chunk per rank) per DP")
     args = p.parse_args(argv)
     if args.quick:
         args.dps = [2]
-    args.decode_steps, args.prefill_steps = (args.steps, args.steps) if not args.quick else (8, 2)
-    args.cache_scales = (0.25, 1, 16) if not args.quick else (1,)
+        args.decode_steps, args.prefill_steps = 8, 2
+    args.cache_scales = (1, 16) if not args.quick else (1,)
     args.iops_seconds, args.iops_mib = (3.0, 512) if not args.quick else (0.5, 16)
-    payload = measure(args)
+    def write(payload: dict) -> None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine(), **payload, "verdicts": verdicts(payload["results"])},
+                                        indent=1))
+        plot(payload["results"], args.png, "planner/H200")
+
+    payload = measure(args, write)
     res = payload["results"]
     d = payload["disk"]["measured"]
     print_table(f"reads per step (both layers) and exposed ms (reads + exchange; planner disk 1M IOPS per replica / "
@@ -300,9 +319,7 @@ def main(argv=None) -> int:
                 ["shape", "DP", "DRAM GiB", "1M H200", f"1M {'/'.join(skus)}", "measured H200"],
                 [[x["shape"], x["dp"], f"{x['dram_cache_gib']:g}", x["picks"]["planner/H200"],
                   "/".join(x["picks"][f"planner/{k}"] for k in skus), x["picks"]["measured/H200"]] for x in v])
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine(), **payload, "verdicts": v}, indent=1))
-    plot(res, args.png, "planner/H200")
+    write(payload)
     print(f"\nload average {payload['load_average']}; disk measured {d['iops']:,.0f} IOPS, {d['latency_ms']:.3f} ms "
           f"({d['tool']}); {payload['seconds']:.0f} s; wrote {args.json} and {args.png}")
     return 0
