@@ -22,12 +22,13 @@ rows (T_all x 24 x 256 x 2 B: (DP-1)/DP of it per GPU) at each SKU's GPU link pe
 Exposed per step = reads + exchange, against the planner's assumed 20 ms decode step.
 
 Ids: bench/shard_balance.py's (profile corpora, BPE trained here, the project's hasher,
-configs/deepseek-v4.1-flash.json). Decode: 256 streams per rank, one token each a step (128
-steps); prefill: one 8192-token chunk per rank a step (4 steps); the first half of the steps
+configs/deepseek-v4.1-flash.json). Decode: 256 streams per rank, one token each a step (384
+steps); prefill: one 8192-token chunk per rank a step (8 steps); the first half of the steps
 warm the caches. DRAM cache per rank: the planner's size (the smallest of `plan --placement
-disk`'s DRAM-cache sweep whose exposed time fits its step budget, computed here) and 16x it.
-About 15 minutes on 2 busy cores (the replay is the store's numpy policy, a call per rank,
-layer and step).
+disk`'s DRAM-cache sweep whose exposed time fits its step budget, computed here) and 1/16 of
+it (`--cache-scales`: at these trace lengths the planner's size already holds every row the
+warm half read, so a larger one reads the same rows). About 15 minutes on 2 busy cores (the
+replay is the store's numpy policy, a call per rank, layer and step).
 
     python -m bench.attn_dp_rows [--json F] [--png F] [--dps 2 4 8] [--quick]
 """
@@ -251,9 +252,14 @@ def verdicts(results: list[dict]) -> list[dict]:
         w, s = (next(r for r in results if (r["shape"], r["dp"], r["dram_cache_gib"], r["scheme"]) == (shape, dp, gib, k))
                 for k in SCHEMES)
         picks = {k: ("shard" if s["exposed_ms"][k] < w["exposed_ms"][k] else "whole") for k in w["exposed_ms"]}
+        # The replica's IOPS above which the reads the shard saves on the slowest rank take less
+        # than its exchange (whole rows then cheaper): saved x DP / exchange seconds.
+        saved = w["reads_max_rank"] - s["reads_max_rank"]
+        even = {k: (saved * dp / (ms / 1e3) if saved > 0 else 0.0) for k, ms in s["exchange_ms"].items()}
         out.append({"shape": shape, "dp": dp, "dram_cache_gib": gib, "picks": picks,
                     "whole_ms": w["exposed_ms"], "shard_ms": s["exposed_ms"],
-                    "reads_whole": w["reads_max_rank"], "reads_shard": s["reads_max_rank"]})
+                    "reads_whole": w["reads_max_rank"], "reads_shard": s["reads_max_rank"],
+                    "breakeven_iops": even})
     return out
 
 
@@ -289,13 +295,15 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="DP 2, 8 decode steps, 2 prefill steps, the planner's cache only")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dps", type=int, nargs="+", default=list(DPS))
-    p.add_argument("--decode-steps", type=int, default=128, help="decode steps per DP, the first half warming")
-    p.add_argument("--prefill-steps", type=int, default=4, help="prefill steps (one chunk per rank) per DP")
+    p.add_argument("--decode-steps", type=int, default=384, help="decode steps per DP, the first half warming")
+    p.add_argument("--prefill-steps", type=int, default=8, help="prefill steps (one chunk per rank) per DP")
+    p.add_argument("--cache-scales", type=float, nargs="+", default=[1 / 16, 1],
+                   help="DRAM cache sizes per rank as multiples of the planner's")
     args = p.parse_args(argv)
     if args.quick:
         args.dps = [2]
         args.decode_steps, args.prefill_steps = 8, 2
-    args.cache_scales = (1, 16) if not args.quick else (1,)
+        args.cache_scales = [1]
     args.iops_seconds, args.iops_mib = (3.0, 512) if not args.quick else (0.5, 16)
     def write(payload: dict) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -316,9 +324,11 @@ def main(argv=None) -> int:
     v = verdicts(res)
     skus = sorted(payload["gpu_link_gbps"])
     print_table("cheaper scheme by exposed ms: at the planner's disk on H200, on every SKU, at the measured disk",
-                ["shape", "DP", "DRAM GiB", "1M H200", f"1M {'/'.join(skus)}", "measured H200"],
+                ["shape", "DP", "DRAM GiB", "1M H200", f"1M {'/'.join(skus)}", "measured H200",
+                 "break-even M IOPS (lowest SKU)"],
                 [[x["shape"], x["dp"], f"{x['dram_cache_gib']:g}", x["picks"]["planner/H200"],
-                  "/".join(x["picks"][f"planner/{k}"] for k in skus), x["picks"]["measured/H200"]] for x in v])
+                  "/".join(x["picks"][f"planner/{k}"] for k in skus), x["picks"]["measured/H200"],
+                  f"{min(x['breakeven_iops'].values()) / 1e6:,.0f}"] for x in v])
     write(payload)
     print(f"\nload average {payload['load_average']}; disk measured {d['iops']:,.0f} IOPS, {d['latency_ms']:.3f} ms "
           f"({d['tool']}); {payload['seconds']:.0f} s; wrote {args.json} and {args.png}")

@@ -85,3 +85,18 @@ def test_read_time_is_the_slowest_ranks_share_and_exchange_counts_bytes():
     assert ex["ids_bytes_per_layer"] == 8  # the other rank's one id
     assert ex["rows_bytes_per_layer"] == 512  # half of 2 tokens' bf16 rows of 256 values
     assert ex["ms"] == pytest.approx((2 * bench.ALLREDUCE_LATENCY_S + 520 / 1e9) * 1e3)
+
+
+def test_verdict_picks_the_smaller_exposed_time_and_the_break_even_disk():
+    bench = _bench()
+
+    def result(scheme, reads, read, exch):
+        return {"shape": "decode", "dp": 4, "dram_cache_gib": 1.0, "scheme": scheme, "reads_max_rank": reads,
+                "exchange_ms": {"H200": exch}, "exposed_ms": {"planner/H200": read + exch}}
+
+    v = bench.verdicts([result("whole", 1000.0, 4.0, 0.0), result("shard", 900.0, 3.0, 0.5)])[0]
+    assert v["picks"] == {"planner/H200": "shard"}
+    # 100 reads saved on each of 4 ranks are worth the 0.5 ms exchange at 800 k IOPS a replica.
+    assert v["breakeven_iops"]["H200"] == pytest.approx(100 * 4 / 0.5e-3)
+    v = bench.verdicts([result("whole", 1000.0, 0.1, 0.0), result("shard", 900.0, 0.09, 0.5)])[0]
+    assert v["picks"] == {"planner/H200": "whole"}
