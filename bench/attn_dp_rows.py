@@ -27,7 +27,7 @@ steps); prefill: one 8192-token chunk per rank a step (8 steps); the first half 
 warm the caches. DRAM cache per rank: the planner's size (the smallest of `plan --placement
 disk`'s DRAM-cache sweep whose exposed time fits its step budget, computed here) and 1/16 of
 it (`--cache-scales`: at these trace lengths the planner's size already holds every row the
-warm half read, so a larger one reads the same rows). About 15 minutes on 2 busy cores (the
+warm half read, so a larger one reads the same rows). About 20 minutes on 2 busy cores (the
 replay is the store's numpy policy, a call per rank, layer and step).
 
     python -m bench.attn_dp_rows [--json F] [--png F] [--dps 2 4 8] [--quick]
