@@ -68,16 +68,25 @@ def steps_of(ids: np.ndarray, shape: str, decode_steps: int) -> list[np.ndarray]
     return [streams[:, t % per] for t in range(min(decode_steps, per))]
 
 
-def measure(args) -> dict:
-    t0 = time.perf_counter()
+def hashed_corpus(vocab: int) -> tuple[EngramConfig, EngramLayout, np.ndarray, dict]:
+    """(cfg, layout, row ids [T, layers, 24], tokenizer facts) of the profile corpora in
+    DeepSeek-V4.1-Flash's layout (bench/attn_dp_rows.py reads the same ids)."""
     texts = code_corpus() + prose_corpus()
-    tokenizer = train_tokenizer(texts, args.vocab)
+    tokenizer = train_tokenizer(texts, vocab)
     tokens = [t for text in texts for t in tokenizer(text)["input_ids"]]
     _, compressed = compressed_token_map(tokenizer)
     cfg = dataclasses.replace(EngramConfig.from_file(CONFIG), compressed_vocab_size=compressed)
-    layout = EngramLayout(cfg)
     hasher = NgramHasher.from_tokenizer(cfg, tokenizer)
-    ids = hasher.hash_sequence(tokens).numpy()  # [T, layers, 24]
+    facts = {"kind": "byte-level BPE trained on this machine with the tokenizers library (no hub)",
+             "vocab_size": vocab, "compressed_vocab_size": compressed,
+             "corpus": "bench/workload.py code_corpus() + prose_corpus()",
+             "corpus_chars": sum(map(len, texts)), "tokens": len(tokens)}
+    return cfg, EngramLayout(cfg), hasher.hash_sequence(tokens).numpy(), facts
+
+
+def measure(args) -> dict:
+    t0 = time.perf_counter()
+    cfg, layout, ids, tokenizer_facts = hashed_corpus(args.vocab)  # ids [T, layers, 24]
     hashed_s = time.perf_counter() - t0
     results = []
     for li, layer_id in enumerate(cfg.layer_ids):
@@ -104,10 +113,7 @@ def measure(args) -> dict:
     return {
         "config": str(CONFIG.name), "columns": len(layout.column_bounds(0)) - 1,
         "rows_per_layer": list(layout.num_embeddings),
-        "tokenizer": {"kind": "byte-level BPE trained on this machine with the tokenizers library (no hub)",
-                      "vocab_size": args.vocab, "compressed_vocab_size": compressed,
-                      "corpus": "bench/workload.py code_corpus() + prose_corpus()",
-                      "corpus_chars": sum(map(len, texts)), "tokens": len(tokens)},
+        "tokenizer": tokenizer_facts,
         "hasher": "engram_sglang.core.hashing.NgramHasher",
         "balanced_split": "column_shards: column c to rank c % tp",
         "contiguous_split": "shard_range: contiguous row ranges",
