@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     import json
 
     args.json.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+    args.png.parent.mkdir(parents=True, exist_ok=True)  # a --json elsewhere leaves bench/out unmade
     plot(figures, args.png)
     worst = max(f["balanced"] for f in figures)
     print(f"\nbalanced worst {worst:.4f} (goal <= {GOAL}); wrote {args.json} and {args.png}")
