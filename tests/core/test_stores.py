@@ -174,7 +174,7 @@ def sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards="b
 
 
 @pytest.mark.parametrize("placement,options", SHARDED, ids=lambda p: str(p))
-@pytest.mark.parametrize("tp_size", [2, 3, 4])
+@pytest.mark.parametrize("tp_size", [2, 3, 5])  # 5 does not divide the 12 columns: each column split
 @pytest.mark.parametrize("shards", ["balanced", "contiguous"])
 def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, options, tp_size, shards):
     """Rank r holds its row ranges; other ids read +0.0, so the sum over ranks is exact, for
@@ -206,7 +206,7 @@ BALANCED_CASES = {
 
 
 @pytest.mark.parametrize("case,tp_size", [(c, 2) for c in sorted(BALANCED_CASES)]
-                         + [("host-shared-narrowed", 4), ("disk-dram-hot-cache", 4)])
+                         + [("host-shared-narrowed", 4), ("disk-dram-hot-cache", 5)])
 def test_balanced_shards_of_every_placement_sum_to_the_full_rows(table_dir, tmp_path, rng, monkeypatch, case,
                                                                 tp_size):
     """Balanced shards summed over the ranks are the whole rows bit for bit in every sharded
@@ -226,15 +226,22 @@ def test_column_shards_deal_every_column_once():
     for L in CFG.layer_ids:
         bounds = LAYOUT.column_bounds(LAYOUT.layer_index(L))
         columns = len(bounds) - 1
-        for tp in (1, 2, 3, 4, 8):
+        for tp in (1, 2, 3, 4, 5, 8, 16):
             ranks = [column_shards(bounds, r, tp) for r in range(tp)]
             flat = sorted(r for held in ranks for r in held)
             assert flat[0][0] == 0 and flat[-1][1] == bounds[-1]
             assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))  # every row once
-            for held in ranks:  # the columns of each rank: c % tp == rank, adjacent ones merged
-                starts = [b for b in bounds[:-1] if any(lo <= b < hi for lo, hi in held)]
-                assert len(starts) in (columns // tp, -(-columns // tp))
-    assert column_shards((0, 10, 20), 2, 4) == [shard_range(20, 2, 4)]  # fewer columns than ranks
+            for r, held in enumerate(ranks):
+                if columns % tp == 0:  # whole columns, c % tp == rank (adjacent ones merged)
+                    starts = [b for b in bounds[:-1] if any(lo <= b < hi for lo, hi in held)]
+                    assert starts == [bounds[c] for c in range(r, columns, tp)]
+                else:  # piece r of every column: rows even to one row a column
+                    for c in range(columns):
+                        got = sum(min(hi, bounds[c + 1]) - max(lo, bounds[c]) for lo, hi in held
+                                  if lo < bounds[c + 1] and hi > bounds[c])
+                        assert got == (lambda a, b: b - a)(*shard_range(bounds[c + 1] - bounds[c], r, tp))
+    assert column_shards((0, 10, 20), 2, 4) == [(6, 8), (16, 18)]  # fewer columns than ranks: split too
+    assert column_shards((0, 10, 20, 30), 1, 2) == [(5, 10), (15, 20), (25, 30)]  # 3 columns, TP 2
     with pytest.raises(EngramError, match="rank 4 is not in \\[0, 4\\)"):
         column_shards((0, 10, 20), 4, 4)
 
