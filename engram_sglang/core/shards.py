@@ -48,6 +48,13 @@ def column_shards(bounds, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def as_ranges(row_range) -> list[tuple[int, int]]:
+    """One (lo, hi) or a list of ranges, as a list of ranges (what stores and replays take)."""
+    if len(row_range) and not hasattr(row_range[0], "__len__"):
+        return [(int(row_range[0]), int(row_range[1]))]
+    return [(int(lo), int(hi)) for lo, hi in row_range]
+
+
 def ranges_rows(ranges) -> int:
     """Rows held by a list of row ranges."""
     return sum(hi - lo for lo, hi in ranges)

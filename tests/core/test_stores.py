@@ -150,8 +150,9 @@ def sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards="b
     parts = []
     for rank in range(tp_size):
         ranges = held_ranges(L, rank, tp_size, shards)
-        store = open_placement(root, placement, options, tmp_path, tp_rank=rank, tp_size=tp_size, shards=shards,
-                               **kw)[L]
+        stores = open_placement(root, placement, options, tmp_path, tp_rank=rank, tp_size=tp_size, shards=shards,
+                                **kw)
+        store = stores[L]
         try:
             if drop is None:
                 assert store.row_ranges == ranges and not store.holds_whole_rows
@@ -167,7 +168,8 @@ def sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards="b
             assert (part.view(torch.int16)[~held] == 0).all()  # +0.0 exactly where the rank holds no row
             parts.append(part)
         finally:
-            store.close()
+            for s in stores.values():
+                s.close()
     if drop is not None:
         monkeypatch.undo()
     return torch.stack(parts).view(torch.int16).sum(0).to(torch.int16).view(torch.bfloat16)
@@ -187,9 +189,10 @@ def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, option
     want = bf16_bits(reference(tables[L], ids))
     assert torch.equal(bf16_bits(total), want)
     if shards == "balanced" and tp_size == 2:  # the default is balanced
-        store = open_placement(root, placement, options, tmp_path, tp_rank=1, tp_size=2)[L]
-        assert store.row_ranges == held_ranges(L, 1, 2, "balanced")
-        store.close()
+        stores = open_placement(root, placement, options, tmp_path, tp_rank=1, tp_size=2)
+        assert stores[L].row_ranges == held_ranges(L, 1, 2, "balanced")
+        for s in stores.values():
+            s.close()
 
 
 # A hot-row cache in front of a balanced host or disk shard; the node's shared host copy
@@ -268,14 +271,16 @@ def test_balanced_shards_checked_at_open(table_dir, placement):
     root, _ = table_dir
     with pytest.raises(EngramError, match="shards is 'strided'; expected one of contiguous, balanced"):
         open_store(root, placement, cfg=CFG, shards="strided")
-    store = open_store(root, placement, cfg=CFG, tp_rank=1, tp_size=2)[1]
+    stores = open_store(root, placement, cfg=CFG, tp_rank=1, tp_size=2)
+    store = stores[1]
     rows = LAYOUT.rows(1)
     with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
         store.gather(torch.tensor([0, rows]))  # an id past the table is an error, not another rank's row
     held = ", ".join(f"{lo}..{hi - 1}" for lo, hi in store.row_ranges)
     assert len(store.row_ranges) > 1 and f"rows {held} of {rows}" in store.describe()
     assert store.stats()["row_ranges"] == [list(r) for r in store.row_ranges]
-    store.close()
+    for s in stores.values():
+        s.close()
     store_class = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}[placement]
     with pytest.raises(EngramError, match="must be sorted, disjoint"):
         store_class(1, layer_path(root, 1), LAYOUT.rows(1), [(10, 20), (5, 8)], torch.device("cpu"), "auto")

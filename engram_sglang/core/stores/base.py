@@ -23,7 +23,7 @@ from ..ops import gather_dequant
 from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
 from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
-from ..shards import column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
+from ..shards import as_ranges, column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
 from . import maintenance
 from . import streams as streams_mod
 
@@ -90,13 +90,6 @@ class RowRanges:
         lo, hi = self._lo.numpy(), self._hi.numpy()
         k = np.maximum(np.searchsorted(lo, ids, side="right") - 1, 0)
         return (ids >= lo[k]) & (ids < hi[k])
-
-
-def as_ranges(row_range) -> list[tuple[int, int]]:
-    """A store's `row_range` argument as a list of ranges: one (lo, hi), or a list of them."""
-    if len(row_range) and isinstance(row_range[0], (int, np.integer)):
-        return [(int(row_range[0]), int(row_range[1]))]
-    return [(int(lo), int(hi)) for lo, hi in row_range]
 
 
 def split_by_rows(total_bytes: int, held: dict[int, int]) -> dict[int, int]:
