@@ -157,6 +157,9 @@ def sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards="b
             if drop is None:
                 assert store.row_ranges == ranges and not store.holds_whole_rows
                 assert store.stats()["row_ranges"] == [list(r) for r in ranges]
+                if placement == "device" or (placement == "host" and not store.node_shared and not kw):
+                    # a private copy holds just its rows, the ranges one after another
+                    assert store.resident_bytes == ranges_rows(ranges) * ROW_BYTES
             part = store.gather(ids)
             if kw.get("cache_bytes"):  # misses admitted: the second call reads hits too
                 store.maintain()

@@ -75,11 +75,22 @@ class RowRanges:
         starts = np.cumsum([0, *(hi - lo for lo, hi in ranges)])[:-1] if compact else \
             [lo - self.span[0] for lo, _ in ranges]
         self._base = torch.tensor(list(starts) or [0], dtype=torch.int64)
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def on(self, device) -> "RowRanges":
+        """Keep the bounds on `device` too (a store does so when it opens): a call there then
+        copies nothing from the host, which a CUDA-graph capture would refuse."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # keyed as the ids' device will be
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cpu" and device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self._lo, self._hi, self._base))
+        return self
 
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
         """Table rows (int64, ids' device) of global ids; -1 where the shard holds no such row.
-        Device ops only (no host sync): capturable."""
-        lo, hi, base = (t.to(ids.device) for t in (self._lo, self._hi, self._base))
+        Device ops only (no host sync; capturable once `on(device)` was called)."""
+        lo, hi, base = self._on.get(ids.device) or (t.to(ids.device) for t in (self._lo, self._hi, self._base))
         ids = ids.to(torch.int64)
         k = (torch.searchsorted(lo, ids.contiguous(), right=True) - 1).clamp_(min=0)
         inside = (ids >= lo[k]) & (ids < hi[k])
@@ -224,10 +235,10 @@ class TableStore(ABC):
         if metric_ranks is not None:
             self.metric_ranks = tuple(metric_ranks)
         ranges = as_ranges(row_range)
-        if len(ranges) > 1:  # held one after another (a store whose table is laid out otherwise says so)
-            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard")
-        self.row_range = self.shard.span if self.shard is not None else ranges[0]
         self.device = torch.device(device)
+        if len(ranges) > 1:  # held one after another (a store whose table is laid out otherwise says so)
+            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard").on(self.device)
+        self.row_range = self.shard.span if self.shard is not None else ranges[0]
         from ..ops import probe
 
         # Resolved once (the probe logs its choice once); an explicit backend that cannot run raises here.

@@ -119,7 +119,7 @@ class HostStore(WholeTableStore):
         if not self._in_place:
             first, last = 0, held
         elif self.shard is not None:  # the node's copy: the op reads the span, the ranges in place
-            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard", compact=False)
+            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard", compact=False).on(self.device)
         if whole_rows and spec is not None:
             # The node's copy holds the whole layer: this rank reads the whole rows of its own
             # tokens (no other rank's rows needed, no all-reduce; open_store's `agree`).
@@ -188,7 +188,7 @@ class HostStore(WholeTableStore):
         shard's rows (the span of its ranges, read through `shard`)."""
         ranges = as_ranges(row_range)
         first = self._first
-        shard = RowRanges(ranges, self.rows, f"{self.path}: layer {self.layer_id} shard", compact=False)
+        shard = RowRanges(ranges, self.rows, f"{self.path}: layer {self.layer_id} shard", compact=False).on(self.device)
         lo, hi = shard.span
         if not self._in_place or not first <= lo <= hi <= first + self._mapped.shape[0]:
             super().hold_only(row_range)  # raises unless unchanged: rows this store does not map in place
