@@ -5,7 +5,8 @@ distinct rows of a step that fall in the rows it holds. The table's columns are 
 order-major (all 2-gram columns, then 3-gram, then 4-gram), and 2-grams repeat far more than
 4-grams, so today's contiguous row ranges (`shard_range`, key `contiguous`) give the rank
 holding the 4-gram columns the most distinct rows. The balanced split (`column_shards`, key
-`balanced`) deals the columns round-robin: every rank holds the same columns of each order.
+`balanced`) deals the columns round-robin (or, where TP does not divide the column count,
+splits each column in TP pieces): every rank holds the same share of each order.
 
 Row ids: the profile corpora (bench/workload.py: code and prose this machine has) tokenized
 by a byte-level BPE trained here with the `tokenizers` library (no hub; the JSON records its
@@ -115,7 +116,8 @@ def measure(args) -> dict:
         "rows_per_layer": list(layout.num_embeddings),
         "tokenizer": tokenizer_facts,
         "hasher": "engram_sglang.core.hashing.NgramHasher",
-        "balanced_split": "column_shards: column c to rank c % tp",
+        "balanced_split": "column_shards: column c to rank c % tp (each column split in tp pieces where tp "
+                          "does not divide the column count)",
         "contiguous_split": "shard_range: contiguous row ranges",
         "goal_balanced_max_over_mean": GOAL, "hash_seconds": round(hashed_s, 1), "load_average": os.getloadavg(),
         "figures": figures, "per_layer": results,
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
     import json
 
     args.json.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+    args.png.parent.mkdir(parents=True, exist_ok=True)  # a --json elsewhere leaves bench/out unmade
     plot(figures, args.png)
     worst = max(f["balanced"] for f in figures)
     print(f"\nbalanced worst {worst:.4f} (goal <= {GOAL}); wrote {args.json} and {args.png}")

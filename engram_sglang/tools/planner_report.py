@@ -37,7 +37,7 @@ def format_text(p: dict[str, Any]) -> str:
         "Engram tables",
         f"  {'total':<34}{_fmt_gib(t['total_bytes']):>14}   "
         f"({len(m['rows_per_layer'])} layers, {sum(m['rows_per_layer']):,} rows x {m['row_bytes']} B)",
-        f"  {f'per rank at TP{tp}':<34}{_fmt_gib(t['per_rank_bytes']):>14}   (row-range shards, largest rank)",
+        f"  {f'per rank at TP{tp}':<34}{_fmt_gib(t['per_rank_bytes']):>14}   (balanced shards, largest rank)",
         "",
         f"HBM per GPU at TP{tp}{'':<22}{'device':>14}{'host':>14}{'disk':>14}",
     ]
@@ -123,7 +123,7 @@ def _rows_per_rank(p: dict) -> list[str]:
     if p["placement"] != "host" or p["tp"] == 1:
         return []
     lines = ["", f"Rows per rank, recommended: {r['recommend'] or 'unknown'} (whole rows from one shared copy vs a "
-                 f"row-range shard; TP{p['tp']}, {r['gpu_link'] or 'GPU link'} "
+                 f"balanced shard; TP{p['tp']}, {r['gpu_link'] or 'GPU link'} "
                  f"{r['gpu_link_gbps'] or 0:g} GB/s)"]
     for phase, v in r["phases"].items():
         removed = v["allreduce_seconds_removed"]

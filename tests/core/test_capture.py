@@ -30,7 +30,7 @@ from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
 from engram_sglang.core.stores import maintenance, open_store
 from engram_sglang.core.stores.cache import HotRowCache
 from tests.support.capture import CaptureViolation, HostSync, capture
-from tests.support.tables import random_table_dir, small_config
+from tests.support.tables import held_mask, random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -114,9 +114,9 @@ def skewed(gen: torch.Generator, shape, universe: int = ROWS) -> torch.Tensor:
     return (torch.exp(u * np.log(universe)) - 1).long().clamp_(0, universe - 1)
 
 
-def opened(table_dir, placement, **cache):
+def opened(table_dir, placement, tp_size=1, **cache):
     stores = open_store(table_dir, placement, cfg=CFG, cache_bytes=cache.pop("cache_bytes", 0),
-                        cache_options=cache or None)
+                        cache_options=cache or None, tp_rank=0, tp_size=tp_size)
     return stores
 
 
@@ -126,12 +126,15 @@ def close(stores):
 
 
 # ------------------------------------------------------------------ capturable paths
-@pytest.mark.parametrize("placement, cached", [("device", False), ("host", False), ("host", True)])
+@pytest.mark.parametrize("placement, cached, tp_size", [("device", False, 1), ("host", False, 1), ("host", True, 1),
+                                                      ("device", False, 2), ("host", False, 2), ("host", True, 2)])
 @pytest.mark.parametrize("into_out", [False, True])
-def test_capturable_gathers_pass_the_fixture(tables, rng, placement, cached, into_out):
+def test_capturable_gathers_pass_the_fixture(tables, rng, placement, cached, into_out, tp_size):
+    """TP 2: rank 0's balanced shard (several row ranges, ids mapped on the device)."""
     table_dir, rows = tables
-    stores = opened(table_dir, placement, **({"cache_bytes": 64 << 10} if cached else {}))
+    stores = opened(table_dir, placement, tp_size, **({"cache_bytes": 64 << 10} if cached else {}))
     store = stores[LAYER]
+    assert (len(store.row_ranges) > 1) == (tp_size > 1)
     assert isinstance(store, HotRowCache) == cached
     try:
         for _ in range(3):  # eager warm-up first, as SGLang does before it captures a size
@@ -147,7 +150,9 @@ def test_capturable_gathers_pass_the_fixture(tables, rng, placement, cached, int
                 hit, slot = store.directory.lookup(cap.fake(flat))
                 assert hit.shape == slot.shape == (16 * 24,)
         got = store.gather(ids)  # the real tensors were left as they were: still exact
-        assert torch.equal(bf16_bits(got), bf16_bits(reference(rows[LAYER], ids)))
+        want = reference(rows[LAYER], ids)
+        want[~held_mask(ids, store.row_ranges)] = 0  # another rank's rows: +0.0
+        assert torch.equal(bf16_bits(got), bf16_bits(want))
     finally:
         close(stores)
 

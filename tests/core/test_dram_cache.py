@@ -230,7 +230,7 @@ def test_the_dram_cache_splits_over_layers_and_shards(tables):
     try:
         total = sum(s.dram.nbytes for s in stores.values())
         assert 0.9 * (2 << 20) <= total <= 2 << 20 or all(
-            s.dram.slots >= s.row_range[1] - s.row_range[0] for s in stores.values())
+            s.dram.slots >= s.rows_held for s in stores.values())
     finally:
         for s in stores.values():
             s.close()

@@ -229,10 +229,11 @@ def test_the_mode_reaches_the_store_and_private_copies_are_bound_too(table_dir, 
     # A private copy (sharing off) of rank 1 of 2 at TP 2: its shard, bound to node 1.
     monkeypatch.setattr(numa.os, "sched_getaffinity", lambda pid: {4})
     store = open_store(d, "host", "cpu", cfg=CFG, tp_rank=1, tp_size=2)[1]
-    lo, hi = store.row_range
-    assert mbind_calls == [((hi - lo) * ROW_BYTES, numa.MPOL_BIND, 0b10)] and not store.shared
-    assert order[-2:] == ["mbind", "fill"]  # bound before the fill touches a page
-    assert np.array_equal(store.table.numpy(), rows[lo:hi])
+    assert mbind_calls == [(store.rows_held * ROW_BYTES, numa.MPOL_BIND, 0b10)] and not store.shared
+    assert order[-len(store.row_ranges) - 1:] == ["mbind"] + ["fill"] * len(store.row_ranges)  # bound first
+    # A balanced shard's private copy: its ranges one after another, nothing else.
+    assert len(store.row_ranges) > 1
+    assert np.array_equal(store.table.numpy(), np.concatenate([rows[lo:hi] for lo, hi in store.row_ranges]))
     store.close()
     mbind_calls.clear()
     store = open_store(d, "host", "cpu", cfg=CFG, numa="off")[1]

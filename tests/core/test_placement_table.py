@@ -12,8 +12,10 @@ import torch
 
 from engram_sglang.core import placement_table, rowformat
 from engram_sglang.core.errors import EngramError
+from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.placement_table import PLACEMENT_TABLE, PLACEMENTS, Placement, PlacementOption
 from engram_sglang.core.rowformat import bf16_bits
+from engram_sglang.core.shards import column_shards
 from engram_sglang.serving.graphs import graph_args, placement_needs_host_ids
 from engram_sglang.serving.settings import KNOBS, ServeSettings
 from tests.support.tables import random_table_dir, small_config
@@ -170,7 +172,8 @@ def test_without_agreement_ranks_keep_their_shards(tables, tmp_path, rng):
         try:
             for L in CFG.layer_ids:
                 n = rows[L].shape[0]
-                assert [s[L].row_range for s in ranks] == [(0, (n + 1) // 2), ((n + 1) // 2, n)]
+                bounds = EngramLayout(CFG).column_bounds(EngramLayout(CFG).layer_index(L))
+                assert [s[L].row_ranges for s in ranks] == [column_shards(bounds, r, 2) for r in (0, 1)]
                 ids = torch.randint(0, n, (32, 12), generator=rng)
                 summed = (ranks[0][L].gather(ids).float() + ranks[1][L].gather(ids).float()).to(torch.bfloat16)
                 assert torch.equal(bf16_bits(summed), bf16_bits(reference(rows[L], ids)))

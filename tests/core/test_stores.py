@@ -22,6 +22,8 @@ from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
 from engram_sglang.core.stores import TableIOError, column_shards, disk, hostmem, open_store, rowio, shard_range
 from engram_sglang.core.stores.base import ranges_rows
 from engram_sglang.core.stores.device import DeviceStore
+from engram_sglang.core.stores.disk import DiskStore
+from engram_sglang.core.stores.host import HostStore
 from engram_sglang.core.tablefile import layer_file_name, write_tables
 from tests.support.disk_faults import reads_by_the_store
 from tests.support.tables import small_config
@@ -108,84 +110,144 @@ def test_every_placement_is_bit_exact(table_dir, tmp_path, rng, placement, optio
             s.close()
 
 
-@pytest.mark.parametrize("placement,options", PLACEMENTS[:4] + PLACEMENTS[4:5], ids=lambda p: str(p))
-@pytest.mark.parametrize("tp_size", [2, 3, 4])
-def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, options, tp_size):
-    """Rank r holds rows [lo, hi); other ids read +0.0, so the sum over ranks is exact."""
-    root, tables = table_dir
-    L = CFG.layer_ids[0]
-    ids = random_ids(rng, LAYOUT.rows(L), (64, 24))
-    parts = []
-    for rank in range(tp_size):
-        store = open_placement(root, placement, options, tmp_path, tp_rank=rank, tp_size=tp_size)[L]
-        assert store.row_range == shard_range(LAYOUT.rows(L), rank, tp_size)
-        lo, hi = store.row_range
-        part = store.gather(ids)
-        outside = (ids < lo) | (ids >= hi)
-        assert (part.view(torch.int16)[outside] == 0).all()  # +0.0 exactly, not -0.0
-        parts.append(part)
-        store.close()
-    total = torch.stack(parts).view(torch.int16).sum(0).to(torch.int16)  # integer bits: exact
-    assert torch.equal(bf16_bits(total.view(torch.bfloat16)), bf16_bits(reference(tables[L], ids)))
-    bf16_sum = torch.stack(parts).float().sum(0).to(torch.bfloat16)  # what an all-reduce computes
-    assert torch.equal(bf16_bits(bf16_sum), bf16_bits(reference(tables[L], ids)))
+# Sharded placements: device, host (private, shared), disk (mapped; O_DIRECT with a DRAM cache).
+SHARDED = PLACEMENTS[:4] + PLACEMENTS[6:7]
 
 
-def layer_path(root, L):
-    return root / layer_file_name(L)
+def held_ranges(L, rank, tp_size, shards):
+    """The row ranges rank `rank` must hold: `column_shards` (balanced) or one `shard_range`."""
+    if shards == "balanced":
+        return column_shards(LAYOUT.column_bounds(LAYOUT.layer_index(L)), rank, tp_size)
+    return [shard_range(LAYOUT.rows(L), rank, tp_size)]
 
 
-def balanced_parts(root, ids, L, tp_size, drop=None):
-    """Each rank's rows of `ids` from its balanced device shard; `drop` = (rank, range index)
-    makes that rank hold its ranges less that one (a negative control)."""
-    parts = []
-    for rank in range(tp_size):
-        ranges = column_shards(LAYOUT.column_bounds(LAYOUT.layer_index(L)), rank, tp_size)
-        if drop is not None and drop[0] == rank:
-            ranges = ranges[: drop[1]] + ranges[drop[1] + 1:]
-            store = DeviceStore(L, layer_path(root, L), LAYOUT.rows(L), ranges, torch.device("cpu"), "auto")
-        else:
-            store = open_store(root, "device", cfg=CFG, tp_rank=rank, tp_size=tp_size, shards="balanced")[L]
-            assert store.row_ranges == ranges and not store.holds_whole_rows
-            assert store.resident_bytes == ranges_rows(ranges) * ROW_BYTES
-        part = store.gather(ids)
-        held = torch.zeros_like(ids, dtype=torch.bool)
-        for lo, hi in ranges:
-            held |= (ids >= lo) & (ids < hi)
-        assert (part.view(torch.int16)[~held] == 0).all()  # +0.0 exactly where the rank holds no row
-        parts.append(part)
-        store.close()
-    return torch.stack(parts).view(torch.int16).sum(0).to(torch.int16).view(torch.bfloat16)  # integer bits: exact
-
-
-@pytest.mark.parametrize("tp_size", [2, 3, 4, 8])
-def test_balanced_shards_sum_to_the_full_rows(table_dir, rng, tp_size):
-    """Balanced shards (columns dealt round-robin: several row ranges a rank) sum to the whole
-    rows bit for bit; a rank that drops one of its ranges makes the sum wrong."""
-    root, tables = table_dir
-    L = CFG.layer_ids[1]
+def shard_ids(rng, L):
+    """Random ids plus the first and last row of every column (so of every range, every rank)."""
     ids = random_ids(rng, LAYOUT.rows(L), (64, 24))
     bounds = LAYOUT.column_bounds(LAYOUT.layer_index(L))
-    ids[0, : len(bounds) - 1] = torch.tensor(bounds[:-1])  # every column's first row,
-    ids[1, : len(bounds) - 1] = torch.tensor(bounds[1:]) - 1  # and its last
+    ids[0, : len(bounds) - 1] = torch.tensor(bounds[:-1])
+    ids[1, : len(bounds) - 1] = torch.tensor(bounds[1:]) - 1
+    return ids
+
+
+def sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards="balanced", monkeypatch=None,
+                  drop=None, **kw):
+    """Each rank's rows of `ids` from open_store's shard (checked: +0.0 exactly where the rank
+    holds no row), summed as integer bits (exact). `drop` = (rank, range index): that rank
+    opens its ranges less that one (a negative control, through open_store's own path)."""
+    from engram_sglang.core import stores as stores_mod
+
+    if drop is not None:
+        real = stores_mod.rank_ranges
+
+        def dropping(tables, cfg, rank, tp, how):
+            held = real(tables, cfg, rank, tp, how)
+            if rank == drop[0]:
+                held = {layer: r[: drop[1]] + r[drop[1] + 1:] for layer, r in held.items()}
+            return held
+
+        monkeypatch.setattr(stores_mod, "rank_ranges", dropping)
+    parts = []
+    for rank in range(tp_size):
+        ranges = held_ranges(L, rank, tp_size, shards)
+        stores = open_placement(root, placement, options, tmp_path, tp_rank=rank, tp_size=tp_size, shards=shards,
+                                **kw)
+        store = stores[L]
+        try:
+            if drop is None:
+                assert store.row_ranges == ranges and not store.holds_whole_rows
+                assert store.stats()["row_ranges"] == [list(r) for r in ranges]
+                if placement == "device" or (placement == "host" and not store.node_shared and not kw):
+                    # a private copy holds just its rows, the ranges one after another
+                    assert store.resident_bytes == ranges_rows(ranges) * ROW_BYTES
+            part = store.gather(ids)
+            if kw.get("cache_bytes"):  # misses admitted: the second call reads hits too
+                store.maintain()
+                assert torch.equal(bf16_bits(store.gather(ids)), bf16_bits(part))
+                assert store.directory.counters()["hits"] > 0
+            held = torch.zeros_like(ids, dtype=torch.bool)
+            for lo, hi in ranges:
+                held |= (ids >= lo) & (ids < hi)
+            assert (part.view(torch.int16)[~held] == 0).all()  # +0.0 exactly where the rank holds no row
+            parts.append(part)
+        finally:
+            for s in stores.values():
+                s.close()
+    if drop is not None:
+        monkeypatch.undo()
+    return torch.stack(parts).view(torch.int16).sum(0).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("placement,options", SHARDED, ids=lambda p: str(p))
+@pytest.mark.parametrize("tp_size", [2, 3, 5])  # 5 does not divide the 12 columns: each column split
+@pytest.mark.parametrize("shards", ["balanced", "contiguous"])
+def test_shards_sum_to_the_full_rows(table_dir, tmp_path, rng, placement, options, tp_size, shards):
+    """Rank r holds its row ranges; other ids read +0.0, so the sum over ranks is exact, for
+    balanced shards (open_store's default: columns dealt round-robin, several ranges a rank)
+    and contiguous ones (one range a rank)."""
+    root, tables = table_dir
+    L = CFG.layer_ids[0]
+    ids = shard_ids(rng, L)
+    total = sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, shards)
     want = bf16_bits(reference(tables[L], ids))
-    assert torch.equal(bf16_bits(balanced_parts(root, ids, L, tp_size)), want)
-    assert not torch.equal(bf16_bits(balanced_parts(root, ids, L, tp_size, drop=(0, 0))), want)
+    assert torch.equal(bf16_bits(total), want)
+    if shards == "balanced" and tp_size == 2:  # the default is balanced
+        stores = open_placement(root, placement, options, tmp_path, tp_rank=1, tp_size=2)
+        assert stores[L].row_ranges == held_ranges(L, 1, 2, "balanced")
+        for s in stores.values():
+            s.close()
+
+
+# A hot-row cache in front of a balanced host or disk shard; the node's shared host copy
+# narrowed to a balanced shard (whole rows asked, a peer did not agree: `hold_only`).
+BALANCED_CASES = {
+    "host-private": ("host", {}, {}),
+    "host-shared-narrowed": ("host", {"shared": True, "whole_rows": True}, {"agree": lambda mine: False}),
+    "disk": ("disk", {}, {}),
+    "disk-dram": PLACEMENTS[6][:1] + (PLACEMENTS[6][1], {}),
+    "host-hot-cache": ("host", {}, {"cache_bytes": 256 << 10}),
+    "disk-hot-cache": ("disk", {}, {"cache_bytes": 256 << 10}),
+    "disk-dram-hot-cache": PLACEMENTS[6][:1] + (PLACEMENTS[6][1], {"cache_bytes": 256 << 10}),
+}
+
+
+@pytest.mark.parametrize("case,tp_size", [(c, 2) for c in sorted(BALANCED_CASES)]
+                         + [("host-shared-narrowed", 4), ("disk-dram-hot-cache", 5)])
+def test_balanced_shards_of_every_placement_sum_to_the_full_rows(table_dir, tmp_path, rng, monkeypatch, case,
+                                                                tp_size):
+    """Balanced shards summed over the ranks are the whole rows bit for bit in every sharded
+    placement and cache; a rank that drops one of its ranges makes the sum wrong."""
+    root, tables = table_dir
+    placement, options, kw = BALANCED_CASES[case]
+    L = CFG.layer_ids[1]
+    ids = shard_ids(rng, L)
+    want = bf16_bits(reference(tables[L], ids))
+    assert torch.equal(bf16_bits(sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, **kw)), want)
+    dropped = sharded_parts(root, tmp_path, ids, L, tp_size, placement, options, monkeypatch=monkeypatch,
+                            drop=(0, 0), **kw)
+    assert not torch.equal(bf16_bits(dropped), want)
 
 
 def test_column_shards_deal_every_column_once():
     for L in CFG.layer_ids:
         bounds = LAYOUT.column_bounds(LAYOUT.layer_index(L))
         columns = len(bounds) - 1
-        for tp in (1, 2, 3, 4, 8):
+        for tp in (1, 2, 3, 4, 5, 8, 16):
             ranks = [column_shards(bounds, r, tp) for r in range(tp)]
             flat = sorted(r for held in ranks for r in held)
             assert flat[0][0] == 0 and flat[-1][1] == bounds[-1]
             assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))  # every row once
-            for held in ranks:  # the columns of each rank: c % tp == rank, adjacent ones merged
-                starts = [b for b in bounds[:-1] if any(lo <= b < hi for lo, hi in held)]
-                assert len(starts) in (columns // tp, -(-columns // tp))
-    assert column_shards((0, 10, 20), 2, 4) == [shard_range(20, 2, 4)]  # fewer columns than ranks
+            for r, held in enumerate(ranks):
+                if columns % tp == 0:  # whole columns, c % tp == rank (adjacent ones merged)
+                    starts = [b for b in bounds[:-1] if any(lo <= b < hi for lo, hi in held)]
+                    assert starts == [bounds[c] for c in range(r, columns, tp)]
+                else:  # piece r of every column: rows even to one row a column
+                    for c in range(columns):
+                        got = sum(min(hi, bounds[c + 1]) - max(lo, bounds[c]) for lo, hi in held
+                                  if lo < bounds[c + 1] and hi > bounds[c])
+                        assert got == (lambda a, b: b - a)(*shard_range(bounds[c + 1] - bounds[c], r, tp))
+    assert column_shards((0, 10, 20), 2, 4) == [(6, 8), (16, 18)]  # fewer columns than ranks: split too
+    assert column_shards((0, 10, 20, 30), 1, 2) == [(5, 10), (15, 20), (25, 30)]  # 3 columns, TP 2
     with pytest.raises(EngramError, match="rank 4 is not in \\[0, 4\\)"):
         column_shards((0, 10, 20), 4, 4)
 
@@ -203,20 +265,28 @@ def test_planner_per_rank_bytes_from_the_ranges():
     assert rank_bytes([[shard_range(100, 0, 4)], [(0, 3), (10, 12)]], 264) == (25 + 5) * 264
 
 
-def test_balanced_shards_refused_where_not_served(table_dir):
+def layer_path(root, L):
+    return root / layer_file_name(L)
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "disk"])
+def test_balanced_shards_checked_at_open(table_dir, placement):
     root, _ = table_dir
-    with pytest.raises(EngramError, match="shards=balanced is served by the device placement; placement disk"):
-        open_store(root, "disk", cfg=CFG, tp_rank=0, tp_size=2, shards="balanced")
     with pytest.raises(EngramError, match="shards is 'strided'; expected one of contiguous, balanced"):
-        open_store(root, "device", cfg=CFG, shards="strided")
-    store = open_store(root, "device", cfg=CFG, tp_rank=1, tp_size=2, shards="balanced")[1]
+        open_store(root, placement, cfg=CFG, shards="strided")
+    stores = open_store(root, placement, cfg=CFG, tp_rank=1, tp_size=2)
+    store = stores[1]
     rows = LAYOUT.rows(1)
     with pytest.raises(EngramError, match=f"layer 1: row id {rows} is outside the table's {rows} rows"):
         store.gather(torch.tensor([0, rows]))  # an id past the table is an error, not another rank's row
-    assert "rows " in store.describe() and store.stats()["row_ranges"] == [list(r) for r in store.row_ranges]
-    store.close()
+    held = ", ".join(f"{lo}..{hi - 1}" for lo, hi in store.row_ranges)
+    assert len(store.row_ranges) > 1 and f"rows {held} of {rows}" in store.describe()
+    assert store.stats()["row_ranges"] == [list(r) for r in store.row_ranges]
+    for s in stores.values():
+        s.close()
+    store_class = {"device": DeviceStore, "host": HostStore, "disk": DiskStore}[placement]
     with pytest.raises(EngramError, match="must be sorted, disjoint"):
-        DeviceStore(1, layer_path(root, 1), LAYOUT.rows(1), [(10, 20), (5, 8)], torch.device("cpu"), "auto")
+        store_class(1, layer_path(root, 1), LAYOUT.rows(1), [(10, 20), (5, 8)], torch.device("cpu"), "auto")
 
 
 def test_shard_ranges_cover_every_row_once():

@@ -17,14 +17,19 @@ import torch.multiprocessing as mp
 from engram_sglang.core import rowformat
 from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.core.rowformat import ROW_BYTES, bf16_bits
+from engram_sglang.core.shards import column_shards
 from engram_sglang.core.tablefile import write_tables
 from tests.support.tables import small_config
 
 pytest.importorskip("engram_sglang.core.ops", reason="the gather_dequant op (engram_sglang.core.ops) is not built yet")
 
 CFG = small_config(300, layer_ids=(4,), n_heads=2)
+# Balanced shards are open_store's default; "device-contiguous" opens one range a rank. In
+# "host-fallback" rank 0 maps the node's copy whole and rank 1 keeps a private shard (as when
+# /dev/shm had no room for it): rank 1 answers `agree` no, so rank 0 narrows its whole rows
+# to its balanced shard (`hold_only` with a list of ranges) and the ranks sum.
 PLACEMENT_OPTIONS = {"device": {}, "host": {"shared": True}, "disk": {}, "host-whole": {"shared": True},
-                     "device-balanced": {"shards": "balanced"}}
+                     "device-contiguous": {"shards": "contiguous"}, "host-fallback": {"shared": True}}
 
 
 def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str, shm_dir: str, result_dir: str):
@@ -36,8 +41,10 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, placement: str,
         if options.get("shared"):
             options["shm_dir"] = shm_dir
         whole = placement == "host-whole"
-        if whole:  # what the serving runtime passes: ranks agree that all hold whole rows
+        if placement in ("host-whole", "host-fallback"):  # what the serving runtime passes
             options["agree"] = _agree
+        if placement == "host-fallback" and rank == 1:
+            options["shared"] = False
         store = open_store(table_dir, placement.split("-")[0], cfg=CFG, tp_rank=rank, tp_size=world, **options)[4]
         ids = torch.from_numpy(np.load(os.path.join(result_dir, "ids.npy")))
         rows = store.gather(ids)
@@ -88,7 +95,7 @@ def table(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,placement", [(w, p) for w in (2, 4) for p in ("device", "host", "disk")]
-                         + [(2, "host-whole"), (2, "device-balanced")])
+                         + [(2, "host-whole"), (2, "device-contiguous"), (2, "host-fallback")])
 def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, placement, rng):
     root, rows = table
     ids = torch.randint(0, rows.shape[0], (48, 24), generator=rng)
@@ -108,9 +115,11 @@ def test_tp_shards_all_reduce_to_the_unsharded_rows(table, tmp_path, world, plac
         assert out["whole_equals_shards"] is True  # every rank, bit for bit
     else:
         assert out["range"][0] == 0 and out["range"][1] < rows.shape[0]  # rank 0 really held a shard
-    if placement == "device-balanced":  # rank 0 held its columns 0, 2, 4: three ranges, not one
-        bounds = EngramLayout(CFG).column_bounds(0)
-        assert out["ranges"] == [(bounds[c], bounds[c + 1]) for c in (0, 2, 4)]
+    bounds = EngramLayout(CFG).column_bounds(0)
+    if placement == "device-contiguous":
+        assert out["ranges"] == [out["range"]]
+    elif placement != "host-whole":  # balanced: rank 0 held several ranges (core/shards.py)
+        assert out["ranges"] == column_shards(bounds, 0, world) and len(out["ranges"]) > 1
     if placement.startswith("host"):
         assert out["copies"] == 1  # one copy for all ranks
         assert list(tmp_path.glob("engram-*-layer4.rows")) == []  # removed by the last rank to close

@@ -25,7 +25,7 @@ from engram_sglang.core.tablefile import write_tables
 from engram_sglang.serving.runtime import EngramRuntime
 from engram_sglang.serving.settings import ServeSettings
 from tests.support.fake_streams import RecordingStreams
-from tests.support.tables import random_rows, small_config
+from tests.support.tables import held_mask, random_rows, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -45,10 +45,10 @@ def tables(tmp_path_factory):
     return write_tables(tmp_path_factory.mktemp("tables") / "t", CFG, rows, progress=False), rows
 
 
-def expected(rows: np.ndarray, ids: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    hi = rows.shape[0] if hi is None else hi
+def expected(rows: np.ndarray, ids: torch.Tensor, ranges=None) -> torch.Tensor:
+    """bf16 bits of the rows of ids; +0 outside the shard's row `ranges` (None: whole rows)."""
     flat = ids.reshape(-1)
-    live = (flat >= lo) & (flat < hi)
+    live = held_mask(flat, [(0, rows.shape[0])] if ranges is None else ranges)
     out = rowformat.dequantize(torch.from_numpy(rows[flat.clamp(0, rows.shape[0] - 1).numpy()]))
     out[~live] = 0
     return bf16_bits(out.view(*ids.shape, ROW_VALUES))
@@ -80,13 +80,12 @@ def test_disk_prefetch_on_a_gpu_orders_ids_staging_and_decode(tables, rng, optio
     try:
         L = CFG.layer_ids[0]
         store = stores[L]
-        lo, hi = store.row_range
         for step in range(24):
             ids = step_ids(rng, store.rows, 1 + step % 5 * 7)
             handle = store.prefetch(ids)  # on the forward (default) stream
             with fake.use(consumer):
                 got = handle.wait()
-            assert torch.equal(bf16_bits(got), expected(rows[L], ids, lo, hi)), f"step {step}"
+            assert torch.equal(bf16_bits(got), expected(rows[L], ids, store.row_ranges)), f"step {step}"
             if step % 7 == 6:
                 fake.flush(consumer)  # the GPU catches up only now and then
         fake.flush()

@@ -74,8 +74,9 @@ def test_tp2_completions_equal_the_reference(run, request):
 
 
 def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private_run):
-    """Rank 0 holds the first part of each layer's rows, and the prompts read rows of the
-    other part too: their exact completions (above) needed rank 1's rows, i.e. the sum."""
+    """Rank 0 holds its balanced shard of each layer's rows (every other column), rank 1 the
+    rest, and the prompts read rows of both: their exact completions (above) needed rank 1's
+    rows, i.e. the sum."""
     rows = par.table_rows()
     assert private_run["files"] == [] and private_run["maps"] == {}, (private_run["files"], private_run["maps"])
     # /server_info answers for TP rank 0; each rank writes its own stats file, labelled.
@@ -86,12 +87,16 @@ def test_tp2_private_copies_hold_half_the_rows_and_sum_them_across_ranks(private
     ref = reference()
     for i, layer in enumerate(ref.engram.layer_ids):
         table = next(t for t in private_run["stats"]["tables"] if t["layer_id"] == layer)
-        lo, hi = table["row_range"]
-        assert lo == 0 and 0 < hi < rows[layer] and not table["shared"], table
+        mine = [tuple(r) for r in table["row_ranges"]]
+        assert mine[0][0] == 0 and 0 < sum(b - a for a, b in mine) < rows[layer] and not table["shared"], table
         rank1 = next(t for t in files["stats.tp1.dp0.json"]["tables"] if t["layer_id"] == layer)
-        assert rank1["row_range"] == [hi, rows[layer]], rank1  # the other half: rank 1's own file
+        theirs = [tuple(r) for r in rank1["row_ranges"]]  # the other columns: rank 1's own file
+        every = sorted(mine + theirs)
+        assert every[0][0] == 0 and every[-1][1] == rows[layer], (mine, theirs)
+        assert all(a[1] == b[0] for a, b in zip(every, every[1:])), (mine, theirs)  # every row once
         ids = [int(x) for p in private_run["prompts"] for x in ref.forward(p).hash_ids[:, i].flatten()]
-        assert any(x >= hi for x in ids) and any(x < hi for x in ids)
+        assert any(any(a <= x < b for a, b in mine) for x in ids)
+        assert any(any(a <= x < b for a, b in theirs) for x in ids)
 
 
 def test_tp2_shared_copy_is_one_per_node_read_whole_and_removed_after(shared_run):

@@ -43,7 +43,8 @@ STORE_SCRIPT = textwrap.dedent("""
     root, arm, other, tp_rank, tp_size, calls = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:])
     cfg = small_config(400)
     table = np.asarray(open_tables(root, cfg)[1])
-    store = open_store(root, "disk", cfg=cfg, direct=True, threads=8, retries=2, tp_rank=tp_rank, tp_size=tp_size)[1]
+    store = open_store(root, "disk", cfg=cfg, direct=True, threads=8, retries=2, tp_rank=tp_rank, tp_size=tp_size,
+                       shards="contiguous")[1]  # one range: the ids below stay outside it
     lo, hi = store.row_range
     gen = torch.Generator().manual_seed(7)
 

@@ -39,7 +39,7 @@ from engram_sglang.serving import graphs
 from engram_sglang.serving.settings import ServeSettings
 from engram_sglang.serving.staged_rows import StagedRows
 from tests.support.capture import HostSync, capture
-from tests.support.tables import random_table_dir, small_config
+from tests.support.tables import held_mask, random_table_dir, small_config
 
 CFG = small_config(400)
 LAYOUT = EngramLayout(CFG)
@@ -52,12 +52,12 @@ def tables(tmp_path_factory):
     return random_table_dir(tmp_path_factory.mktemp("tables"), CFG)
 
 
-def reference(rows: np.ndarray, ids: torch.Tensor, row_range=None) -> torch.Tensor:
-    """bf16 bits of the rows of ids; ids outside `row_range` read +0.0."""
+def reference(rows: np.ndarray, ids: torch.Tensor, ranges=None) -> torch.Tensor:
+    """bf16 bits of the rows of ids; ids outside the shard's row `ranges` read +0.0."""
     flat = ids.reshape(-1).numpy()
     packed = rows[flat].copy()
-    if row_range is not None:
-        packed[(flat < row_range[0]) | (flat >= row_range[1])] = 0
+    if ranges is not None:
+        packed[~held_mask(flat, ranges)] = 0
     return bf16_bits(rowformat.dequantize(torch.from_numpy(packed)).view(*ids.shape, ROW_VALUES))
 
 
@@ -95,7 +95,7 @@ def test_staged_rows_equal_the_eager_path(tables, rng, how):
                 buf = bf16_bits(staged.buffers[L])
                 eager = bf16_bits(stores[L].gather(ids[:, i]))
                 assert torch.equal(buf[:tokens], eager), f"{how}: layer {L}, {tokens} tokens"
-                assert torch.equal(eager, reference(rows[L], ids[:, i], stores[L].row_range))
+                assert torch.equal(eager, reference(rows[L], ids[:, i], stores[L].row_ranges))
                 assert not buf[tokens:].any(), f"{how}: padded rows past {tokens} tokens are not +0.0"
             maintenance.between_steps()
         assert staged.staged_steps == 6

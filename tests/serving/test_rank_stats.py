@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from engram_sglang.core.hashing import EngramLayout
 from engram_sglang.serving.ranks import rank_labels, stats_path
 from engram_sglang.serving.settings import ServeSettings
 from tests.support.tables import random_table_dir, small_config
@@ -62,3 +63,13 @@ def test_two_ranks_write_two_labelled_files(tmp_path, monkeypatch):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"stats.tp{rank}.dp0.json").read_text())
         assert (got["tp_rank"], got["tp_size"], got["dp_rank"]) == (rank, 2, 0) and len(got["tables"]) == 2
+    # The runtime serves balanced shards: each rank's file lists its row ranges (every other
+    # column of a layer, several ranges), and the two ranks' lists hold every row once.
+    files = [json.loads((tmp_path / f"stats.tp{rank}.dp0.json").read_text()) for rank in (0, 1)]
+    layout = EngramLayout(CFG)
+    for L in CFG.layer_ids:
+        held = [next(t for t in f["tables"] if t["layer_id"] == L)["row_ranges"] for f in files]
+        assert all(len(h) > 1 for h in held), held
+        bounds = layout.column_bounds(layout.layer_index(L))
+        assert [tuple(r) for h in held for r in h] == [(bounds[c], bounds[c + 1]) for r in (0, 1)
+                                                       for c in range(r, len(bounds) - 1, 2)]

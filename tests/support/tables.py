@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import torch
 
 from engram_sglang import EngramConfig
@@ -61,3 +62,11 @@ def random_table_dir(parent, cfg: EngramConfig) -> tuple:
 
     rows = random_rows(cfg)
     return write_tables(parent / "t", cfg, rows, progress=False), rows
+
+
+def held_mask(ids, ranges):
+    """Which ids (a tensor or a numpy array) lie in a shard's row ranges [(lo, hi), ...]."""
+    held = torch.zeros_like(ids, dtype=torch.bool) if isinstance(ids, torch.Tensor) else np.zeros(ids.shape, bool)
+    for lo, hi in ranges:
+        held = held | ((ids >= lo) & (ids < hi))
+    return held

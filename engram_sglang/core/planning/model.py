@@ -238,14 +238,14 @@ class Planner:
         """Per-GPU HBM budget at `tp` with tables in `placement`."""
         w = self.facts.weight_bytes
         weights = None if w is None else -(-w // tp)
-        tables = shard_bytes(self.rows, tp, self.row_bytes) if placement == "device" else 0
+        tables = self.shard_bytes(tp) if placement == "device" else 0
         hot = int(round(self.inputs.hot_cache_gib * GIB)) if placement_spec(placement).cache_in_front else 0
         reserve = self.reserve(tp)
         fixed = self.facts.kv_fixed_bytes
         free = None if weights is None else self.gpu.hbm_bytes - weights - tables - hot - reserve - fixed
         kv = self.kv_per_rank(tp)
         tokens = None if free is None or kv is None else max(0, int(free // kv))
-        freed = 0 if placement == "device" else shard_bytes(self.rows, tp, self.row_bytes) - hot
+        freed = 0 if placement == "device" else self.shard_bytes(tp) - hot
         need = None if kv is None else int(math.ceil(self.min_kv_tokens() * kv))
         fits = None if free is None or need is None else free >= need
         return {
@@ -263,6 +263,13 @@ class Planner:
             "fits": fits,
         }
 
+    def shard_bytes(self, tp: int) -> int:
+        """The largest rank's table bytes at `tp`: balanced shards of each layer's columns, as
+        open_store serves them (`balanced_shard_bytes`)."""
+        layout = EngramLayout(self.cfg)
+        return balanced_shard_bytes([layout.column_bounds(i) for i in range(len(self.cfg.layer_ids))], tp,
+                                    self.row_bytes)
+
     def smallest_tp(self, placement: str) -> Optional[int]:
         for tp in valid_tps(self.facts.attention_heads):
             if self.hbm(tp, placement)["fits"]:
@@ -275,7 +282,7 @@ class Planner:
         ranks = min(tp, per_node)
         replicas = per_node // tp if tp <= per_node else 1
         gpus_used = ranks * replicas
-        shard = shard_bytes(self.rows, tp, self.row_bytes)
+        shard = self.shard_bytes(tp)
         return {
             "gpus_per_node": per_node,
             "ranks_per_node": ranks,
@@ -373,8 +380,10 @@ class Planner:
             rates, source = {"whole": 0.0, "sharded": 0.0}, "no hot-row cache" if not hot else "TP 1: one layout"
         elif inp.trace is not None:
             trace, _ = disk_model.read_trace(inp.trace, self.cfg.fingerprint())
+            layout = EngramLayout(self.cfg)
+            bounds = {L: layout.column_bounds(i) for i, L in enumerate(self.cfg.layer_ids)}
             rates = whole_rows.traced_layout_hit_rates(trace, dict(zip(self.cfg.layer_ids, self.rows)), hot, tp,
-                                                       inp.batch, inp.warm_steps)
+                                                       inp.batch, inp.warm_steps, bounds=bounds)
             source = (f"replay of {inp.trace} (first {inp.batch} streams) through the hot-row cache's RowDirectory: "
                       f"whole rows over every id, a shard over rank 0's")
         else:
@@ -396,7 +405,8 @@ class Planner:
         out = [
             f"table rows from the config's prime layout; {self.row_bytes} B per packed row "
             f"({self.cfg.head_dim} fp8 + {self.cfg.head_dim // BLOCK} e8m0 scales)",
-            "row-range TP shards: the largest rank holds ceil(rows/TP) rows of every layer",
+            "balanced TP shards (core/shards.py column_shards, what the stores serve): the largest rank's rows of "
+            "every layer, within a few rows of rows/TP",
             f"HBM per GPU: driver-reported capacity ({self.gpu.name}, configs/gpus.json)",
         ]
         if f.weight_bytes is not None:
@@ -578,7 +588,7 @@ class Planner:
                     f"host tables need {need / GIB:.2f} GiB of DRAM per node ({inp.host_layout} layout), "
                     f"more than the {inp.host_dram_gib:g} GiB given"
                 )
-        shard = shard_bytes(self.rows, tp, self.row_bytes)
+        shard = self.shard_bytes(tp)
         return {
             "model": {
                 "name": self.facts.name,

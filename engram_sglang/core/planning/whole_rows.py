@@ -105,21 +105,25 @@ def sku_for_device(device_name: str, gpus: dict) -> Optional[Any]:
     return None
 
 
-def replay_hits(steps, directory, shard: Optional[tuple[int, int]] = None, warm_steps: int = 0,
-                maintain_every: int = 8) -> float:
+def replay_hits(steps, directory, shard=None, warm_steps: int = 0, maintain_every: int = 8) -> float:
     """Hit rate of a hot-row cache's RowDirectory (`directory`, cold) over one layer's ids per
     decode step (`steps`: [steps, ...] ids), maintained every `maintain_every` steps as the
-    store does: with `shard` (lo, hi) only that rank's ids reach it, the others look up as -1
+    store does: with `shard` (one (lo, hi), or a list of ranges: a balanced shard) only that
+    rank's ids reach it, the others look up as -1
     as HotRowCache's do, and the rate is over the shard's reads; the first `warm_steps` steps
     only warm it."""
     import torch
+
+    from ..shards import as_ranges
 
     hits = reads = 0
     for s, ids in enumerate(steps):
         flat = torch.as_tensor(ids).reshape(-1)
         n = flat.numel()
         if shard is not None:
-            mine = (flat >= shard[0]) & (flat < shard[1])
+            mine = torch.zeros_like(flat, dtype=torch.bool)
+            for lo, hi in as_ranges(shard):
+                mine |= (flat >= lo) & (flat < hi)
             flat = torch.where(mine, flat, -1)
             n = int(mine.sum())
         hit, _ = directory.lookup(flat)
@@ -132,12 +136,15 @@ def replay_hits(steps, directory, shard: Optional[tuple[int, int]] = None, warm_
 
 
 def traced_layout_hit_rates(trace: dict, rows: dict, hot_bytes: int, tp: int, batch: int,
-                            warm_steps: Optional[int] = None) -> dict[str, float]:
+                            warm_steps: Optional[int] = None, bounds: Optional[dict] = None) -> dict[str, float]:
     """Each layout's hit rate on a `profile --trace` (layer id -> ids [steps, streams,
     columns], the first `batch` streams), a hot-row cache of `hot_bytes` per GPU split over
     the layers by rows as HotRowCache splits it and sized as it sizes itself: whole rows, one
-    directory per layer over every id; sharded, over rank 0's shard of each layer. Reads of
-    all layers together; the first half of the steps warm the caches unless `warm_steps`."""
+    directory per layer over every id; sharded, over rank 0's shard of each layer (its
+    balanced shard, `column_shards`, where `bounds` gives each layer's column bounds, as the
+    stores serve; else the contiguous `shard_range`). Reads of all layers together; the
+    first half of the steps warm the caches unless `warm_steps`."""
+    from ..shards import column_shards, ranges_rows
     from ..stores.base import shard_range, split_by_rows
     from .disk import _hot_cache
 
@@ -150,10 +157,12 @@ def traced_layout_hit_rates(trace: dict, rows: dict, hot_bytes: int, tp: int, ba
                 continue
             steps = ids[:, :batch]
             warm = steps.shape[0] // 2 if warm_steps is None else warm_steps
-            shard = shard_range(rows[L], 0, tp) if layout == "sharded" else None
-            held = rows[L] if shard is None else shard[1] - shard[0]
+            shard = None
+            if layout == "sharded":
+                shard = column_shards(bounds[L], 0, tp) if bounds is not None else [shard_range(rows[L], 0, tp)]
+            held = rows[L] if shard is None else ranges_rows(shard)
             counted = steps[warm:]
-            n = counted.size if shard is None else int(((counted >= shard[0]) & (counted < shard[1])).sum())
+            n = counted.size if shard is None else sum(int(((counted >= lo) & (counted < hi)).sum()) for lo, hi in shard)
             reads += n
             directory = _hot_cache(held, share[L])
             if directory is not None:  # None: too small a cache for one set, no hits

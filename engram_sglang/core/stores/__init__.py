@@ -35,7 +35,7 @@ def open_store(
     cache_profile: Optional[str | os.PathLike] = None,
     cache_options: Optional[dict] = None,
     agree: Optional[Callable[[bool], bool]] = None,
-    shards: str = "contiguous",
+    shards: str = "balanced",
     ranks: Optional[Mapping[str, int]] = None,
     **options,
 ) -> dict[int, TableStore]:
@@ -46,8 +46,8 @@ def open_store(
     placement : a placement of the table in placement_table.py: "device" (device memory),
         "host" (host memory read over UVA) or "disk"; it names the store class and its options.
     cfg : when given, the tables must have been built for it.
-    tp_rank, tp_size : this rank holds rows `shard_range(rows, tp_rank, tp_size)` of each
-        layer; other ids read as +0.0 rows, so a sum over ranks reassembles them exactly.
+    tp_rank, tp_size : this rank holds its shard of each layer (`shards`); other ids read as
+        +0.0 rows, so a sum over ranks reassembles them exactly.
         Except where the placement table says a rank holds whole rows (host with `shared`:
         one copy per node that every rank maps) and the caller can do without the sum:
     agree : given by a caller that skips the all-reduce where every store holds whole rows
@@ -55,11 +55,11 @@ def open_store(
         the answer of all ranks of the group (true only if true on every rank: a rank whose
         shared copy fell back to a private shard makes every rank keep its shard). None
         (the default) at tp_size > 1: every rank holds a shard, as the caller sums them.
-    shards : how the ranks split a layer: "contiguous" (`shard_range`) or "balanced"
-        (`column_shards`: the layout's columns dealt round-robin, a list of row ranges per
-        rank, the table format unchanged; every rank then reads about as many distinct rows
-        a step, bench/shard_balance.py). Balanced shards are served by the device placement;
-        host and disk take contiguous ones.
+    shards : how the ranks split a layer: "balanced" (the default, what serving uses:
+        `column_shards`, the layout's columns dealt round-robin, a list of row ranges per rank,
+        the table format unchanged; every rank then reads about as many distinct rows a step,
+        bench/shard_balance.py) or "contiguous" (`shard_range`, one range per rank: kept for
+        comparisons). Every placement serves both.
     backend : gather backend ("auto" lets the device probe choose).
     ranks : the `tp_rank`, `dp_rank`, `pp_rank` labels of the stores' Prometheus series
         (the runtime passes SGLang's ranks); by default `tp_rank` above, DP and PP rank 0.
@@ -89,9 +89,6 @@ def open_store(
         rowio.check_threads(options["threads"], "disk placement option threads")
     if shards not in SHARDS:
         raise EngramError(f"shards is {shards!r}; expected one of {', '.join(SHARDS)}")
-    if shards == "balanced" and placement != "device" and tp_size > 1:
-        raise EngramError(f"shards=balanced is served by the device placement; placement {placement} takes "
-                          f"shards=contiguous")
     whole = spec.rows_held(options) == WHOLE and (tp_size == 1 or agree is not None)
     store_class = spec.store_class()
     metric_ranks = rank_values(ranks, tp_rank)
@@ -103,14 +100,13 @@ def open_store(
     asked = False  # whether this rank has called `agree` (every rank must, exactly once)
     try:
         for layer_id, info in sorted(tables.layers.items()):
-            row_range = held[layer_id][0] if len(held[layer_id]) == 1 else held[layer_id]
             if dram[layer_id]:
                 options["dram_cache_bytes"] = dram[layer_id]
             if "shared" in spec.option_names:  # a node's shared copy is named by and checked against these
                 options.update(checksums=info.checksums, chunk_rows=int(tables.manifest["chunk_rows"]))
             if "whole_rows" in spec.option_names:
                 options["whole_rows"] = whole
-            store = store_class(layer_id, info.path, info.rows, row_range, torch.device(device), backend,
+            store = store_class(layer_id, info.path, info.rows, held[layer_id], torch.device(device), backend,
                                 metric_ranks=metric_ranks, **options)
             stores[layer_id] = store
         agreed = tp_size == 1 and whole
@@ -119,7 +115,7 @@ def open_store(
             agreed = agree(bool(stores) and all(s.holds_whole_rows for s in stores.values()))
         if tp_size > 1 and not agreed:
             for layer_id, store in stores.items():
-                store.hold_only(held[layer_id][0] if len(held[layer_id]) == 1 else held[layer_id])
+                store.hold_only(held[layer_id])
         for store in stores.values():
             logger.info("%s", store.describe())
         warning = store_class.start_up_warning(list(stores.values()))
@@ -146,7 +142,7 @@ SHARDS = ("contiguous", "balanced")
 
 
 def rank_ranges(tables, cfg: Optional[EngramConfig], tp_rank: int, tp_size: int,
-                shards: str = "contiguous") -> dict[int, list[tuple[int, int]]]:
+                shards: str = "balanced") -> dict[int, list[tuple[int, int]]]:
     """Layer id -> the row ranges rank `tp_rank` of `tp_size` holds of each layer of `tables`
     (open_tables): [shard_range] for contiguous shards, `column_shards` of the tables' layout
     (their manifest's config, or `cfg`) for balanced ones."""

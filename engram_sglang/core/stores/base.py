@@ -23,7 +23,7 @@ from ..ops import gather_dequant
 from ..placement_table import PLACEMENTS  # noqa: F401  (re-exported)
 from ..placement_table import placement as placement_spec
 from ..rowformat import ROW_BYTES, ROW_VALUES
-from ..shards import column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
+from ..shards import as_ranges, column_shards, ranges_rows, shard_range  # noqa: F401  (re-exported)
 from . import maintenance
 from . import streams as streams_mod
 
@@ -51,11 +51,14 @@ class TableReadFault(TableIOError):
 
 class RowRanges:
     """The rows a shard holds as a list of global row ranges [(lo, hi), ...] (sorted, disjoint,
-    inside [0, rows)), laid out one after another: row i of the shard's table is its i-th held
-    global row. `to_local(ids)` maps global ids to table rows, -1 (a +0.0 row) for ids the
-    shard does not hold. One range is the plain `row_range` case."""
+    inside [0, rows)). `compact` (a copy of just these rows): row i of the shard's table is its
+    i-th held global row, the ranges laid out one after another. Not compact (a view of a copy
+    that holds more rows, the node's shared copy): the table is the rows of the span
+    [ranges[0][0], ranges[-1][1]) in place, other ranks' rows between the ranges included.
+    `to_local(ids)` maps global ids to table rows, -1 (a +0.0 row) for ids the shard does not
+    hold. One range is the plain `row_range` case."""
 
-    def __init__(self, ranges, rows: int, what: str = "shard"):
+    def __init__(self, ranges, rows: int, what: str = "shard", *, compact: bool = True):
         ranges = [(int(lo), int(hi)) for lo, hi in ranges]
         end = 0
         for lo, hi in ranges:
@@ -63,20 +66,41 @@ class RowRanges:
                 raise EngramError(f"{what}: row ranges {ranges} must be sorted, disjoint and inside [0, {rows}), "
                                   f"found ({lo}, {hi}) after row {end}")
             end = hi
-        self.ranges, self.rows = tuple(ranges), rows
+        self.ranges, self.rows, self.compact = tuple(ranges), rows, compact
         self.held = ranges_rows(ranges)
+        self.span = (ranges[0][0], ranges[-1][1]) if ranges else (0, 0)
+        self.table_rows = self.held if compact else self.span[1] - self.span[0]  # rows of the table the op reads
         self._lo = torch.tensor([lo for lo, _ in ranges] or [0], dtype=torch.int64)
         self._hi = torch.tensor([hi for _, hi in ranges] or [0], dtype=torch.int64)
-        self._base = torch.tensor(np.cumsum([0, *(hi - lo for lo, hi in ranges)])[:max(1, len(ranges))],
-                                  dtype=torch.int64)
+        starts = np.cumsum([0, *(hi - lo for lo, hi in ranges)])[:-1] if compact else \
+            [lo - self.span[0] for lo, _ in ranges]
+        self._base = torch.tensor(list(starts) or [0], dtype=torch.int64)
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def on(self, device) -> "RowRanges":
+        """Keep the bounds on `device` too (a store does so when it opens): a call there then
+        copies nothing from the host, which a CUDA-graph capture would refuse."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # keyed as the ids' device will be
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cpu" and device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self._lo, self._hi, self._base))
+        return self
 
     def to_local(self, ids: torch.Tensor) -> torch.Tensor:
-        """Table rows (int64, ids' device) of global ids; -1 where the shard holds no such row."""
-        lo, hi, base = (t.to(ids.device) for t in (self._lo, self._hi, self._base))
+        """Table rows (int64, ids' device) of global ids; -1 where the shard holds no such row.
+        Device ops only (no host sync; capturable once `on(device)` was called)."""
+        lo, hi, base = self._on.get(ids.device) or (t.to(ids.device) for t in (self._lo, self._hi, self._base))
         ids = ids.to(torch.int64)
         k = (torch.searchsorted(lo, ids.contiguous(), right=True) - 1).clamp_(min=0)
         inside = (ids >= lo[k]) & (ids < hi[k])
         return torch.where(inside, ids - lo[k] + base[k], torch.full_like(ids, -1))
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Host ids (numpy) this shard holds: a bool mask."""
+        lo, hi = self._lo.numpy(), self._hi.numpy()
+        k = np.maximum(np.searchsorted(lo, ids, side="right") - 1, 0)
+        return (ids >= lo[k]) & (ids < hi[k])
 
 
 def split_by_rows(total_bytes: int, held: dict[int, int]) -> dict[int, int]:
@@ -157,7 +181,7 @@ class Prefetch:
 
 @dataclasses.dataclass(frozen=True)
 class ResidentTable:
-    """A store's packed rows [hi - lo, 264] as the gather op reads them: `table` itself, or
+    """A store's packed rows [hi - lo, 264] (a shard's: `TableStore.table_index`) as the gather op reads them: `table` itself, or
     the device address `address` of its first row where that is set (host memory registered
     with the GPU)."""
 
@@ -172,9 +196,11 @@ class TableStore(ABC):
     ----------
     layer_id : the Engram layer (a model layer index).
     rows : rows of the whole layer table (global row ids are in [0, rows)).
-    row_range : (lo, hi), the rows this store holds; other ids read as +0.0 rows, so a sum
-        over tensor-parallel ranks reassembles the full rows exactly. (0, rows) where the
-        store holds whole rows (`holds_whole_rows`), which then need no sum.
+    row_range : (lo, hi), the span of the rows this store holds; other ids read as +0.0 rows,
+        so a sum over tensor-parallel ranks reassembles the full rows exactly. (0, rows) where
+        the store holds whole rows (`holds_whole_rows`), which then need no sum. A balanced
+        shard (`column_shards`) holds several ranges: `row_ranges` lists them, `shard` maps
+        ids to its table (the span then includes other ranks' rows between the ranges).
     device : where gathered bf16 rows are returned.
 
     What a cache in front or the runtime may ask of any store (the contract; the defaults
@@ -202,13 +228,17 @@ class TableStore(ABC):
     # passes the runtime's ranks).
     metric_ranks: tuple[str, ...] = ("0", "0", "0")
 
-    def __init__(self, layer_id: int, path, rows: int, row_range: tuple[int, int], device: torch.device, backend: str,
+    def __init__(self, layer_id: int, path, rows: int, row_range, device: torch.device, backend: str,
                  *, metric_ranks: Optional[tuple[str, ...]] = None):
+        """`row_range`: one (lo, hi), or a list of ranges (a balanced shard, `column_shards`)."""
         self.layer_id, self.path, self.rows = layer_id, path, rows
         if metric_ranks is not None:
             self.metric_ranks = tuple(metric_ranks)
-        self.row_range = row_range
+        ranges = as_ranges(row_range)
         self.device = torch.device(device)
+        if len(ranges) > 1:  # held one after another (a store whose table is laid out otherwise says so)
+            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard").on(self.device)
+        self.row_range = self.shard.span if self.shard is not None else ranges[0]
         from ..ops import probe
 
         # Resolved once (the probe logs its choice once); an explicit backend that cannot run raises here.
@@ -320,8 +350,8 @@ class TableStore(ABC):
         if resident is None:
             raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds no packed rows to read")
         wanted = torch.from_numpy(np.asarray(wanted, dtype=np.int64))
-        local = self.shard.to_local(wanted) if self.shard is not None else wanted - self.row_range[0]
-        rows = resident.table[local.to(resident.table.device)].cpu().numpy()
+        local, (first, _) = self.table_index(wanted)
+        rows = resident.table[(local - first).to(resident.table.device)].cpu().numpy()
         if out is None:
             return rows
         out[...] = rows
@@ -350,6 +380,26 @@ class TableStore(ABC):
         """The rows this store holds as a list of ranges ([row_range] unless it holds several)."""
         return list(self.shard.ranges) if self.shard is not None else [tuple(self.row_range)]
 
+    @property
+    def rows_held(self) -> int:
+        """Rows this store holds (those of `row_ranges`)."""
+        return self.shard.held if self.shard is not None else self.row_range[1] - self.row_range[0]
+
+    def holds(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which global ids (a tensor, any device) this store holds: device ops, no host sync."""
+        if self.shard is not None:
+            return self.shard.to_local(ids) >= 0
+        lo, hi = self.row_range
+        return (ids >= lo) & (ids < hi)
+
+    def table_index(self, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """(index, row_range) with which `gather_dequant` reads this store's resident table
+        for global ids: the ids and `row_range` for one range; for several, table rows (-1
+        where not held: +0.0) and the table's rows. Device ops, no host sync (capturable)."""
+        if self.shard is not None:
+            return self.shard.to_local(ids), (0, self.shard.table_rows)
+        return ids, tuple(self.row_range)
+
     # What the tensor-parallel ranks agreed in open_store (True: every rank holds whole rows;
     # False: shards, summed), so that a shard that happens to span its layer (a layer of one
     # row) is not taken for whole rows on one rank while the others sum. None: not asked.
@@ -366,8 +416,7 @@ class TableStore(ABC):
         """Serve only `row_range` (one (lo, hi), or a list of ranges) from now on (other ids read
         as +0.0 rows), before the first call. Stores that hold only their rows cannot widen or
         move them."""
-        wanted = [tuple(r) for r in row_range] if row_range and not isinstance(row_range[0], int) \
-            else [tuple(row_range)]
+        wanted = as_ranges(row_range)
         if wanted != self.row_ranges:
             raise EngramError(f"layer {self.layer_id}: placement {self.placement} holds rows {self.row_ranges}, "
                               f"it cannot serve {wanted} instead")
@@ -488,9 +537,8 @@ class WholeTableStore(TableStore):
     table_address: Optional[int] = None
 
     def _gather(self, ids, out):
-        ids, row_range = ids.to(self.device), self.row_range
-        if self.shard is not None:  # several ranges: global ids to table rows (-1: not held, +0.0)
-            ids, row_range = self.shard.to_local(ids), (0, self.shard.held)
+        # Several ranges: global ids to table rows (-1: not held, +0.0).
+        ids, row_range = self.table_index(ids.to(self.device))
         rows = gather_dequant(self.table, ids, out=out, row_range=row_range,
                               backend=self.backend, table_address=self.table_address)
         return rows, None  # (rows served reach the metrics between steps: TableStore.maintain)

@@ -75,7 +75,7 @@ class HotRowCache(TableStore):
                  maintain_every: int = maintenance.DEFAULT_EVERY,
                  profile: Optional[str | os.PathLike] = None, fingerprint: Optional[str] = None,
                  sample_factor: float = 100.0, sketch_depth: int = 4):
-        super().__init__(inner.layer_id, inner.path, inner.rows, inner.row_range, inner.device, inner.backend,
+        super().__init__(inner.layer_id, inner.path, inner.rows, inner.row_ranges, inner.device, inner.backend,
                          metric_ranks=inner.metric_ranks)
         self.agreed_whole = inner.agreed_whole
         self.inner = inner
@@ -91,8 +91,7 @@ class HotRowCache(TableStore):
             raise EngramError(
                 f"engram layer {self.layer_id}: a hot-row cache of {cache_bytes:,} bytes holds no full set of {ways} rows "
                 f"(each row costs ~{ROW_BYTES + SLOT_OVERHEAD + 8 * sketch_depth} bytes with its directory entry)")
-        lo, hi = self.row_range
-        slots = min(slots, max(ways, (hi - lo) // ways * ways))  # no more slots than rows
+        slots = min(slots, max(ways, self.rows_held // ways * ways))  # no more slots than rows
         self.directory = RowDirectory(slots, ways, self.device, sample_factor=sample_factor, sketch_depth=sketch_depth,
                                       ring=ring_entries(cache_bytes))
         # Row `slots` stays zero and is never decoded for a result (misses take the lower row).
@@ -128,7 +127,7 @@ class HotRowCache(TableStore):
             s = super().stats()
             s.update(
                 cache_bytes=self.device_bytes, cache_rows=d.slots, cache_ways=d.ways,
-                cache_share=d.slots / max(1, self.row_range[1] - self.row_range[0]),
+                cache_share=d.slots / max(1, self.rows_held),
                 cache_lookups=c["lookups"], cache_reads=reads, cache_hits=hits,
                 cache_hit_rate=hits / reads if reads else 0.0, cache_admitted=d.admitted,
                 cache_maintenances=d.maintenances, cache_agings=d.agings, cache_prewarmed=self.prewarmed,
@@ -140,11 +139,10 @@ class HotRowCache(TableStore):
 
     def describe(self) -> str:
         d = self.directory
-        lo, hi = self.row_range
         warm = f", pre-warmed with {self.prewarmed:,} rows from {self.profile_path}" if self.profile_path else ""
         when = f"every {self.maintain_every} steps" if self.maintain_every else "when maintain() is called"
         return (f"{self.inner.describe()}; hot-row cache {self.device_bytes / 2**30:.2f} GiB on {self.device}: "
-                f"{d.slots:,} rows ({d.slots / max(1, hi - lo):.2%} of the {'table' if self.holds_whole_rows else 'shard'}), "
+                f"{d.slots:,} rows ({d.slots / max(1, self.rows_held):.2%} of the {'table' if self.holds_whole_rows else 'shard'}), "
                 f"{d.ways}-way, "
                 f"admission {when}{warm}")
 
@@ -154,8 +152,7 @@ class HotRowCache(TableStore):
 
         with self._cache_lock:
             flat = ids.reshape(-1).to(self.device, torch.int64)
-            lo, hi = self.row_range
-            hit, slot = self.directory.lookup(torch.where((flat >= lo) & (flat < hi), flat, -1))
+            hit, slot = self.directory.lookup(torch.where(self.inner.holds(flat), flat, -1))
             # The dump slot lies outside (0, slots): misses decode to +0 here.
             cached = gather_dequant(self.cache_rows, slot, row_range=(0, self.directory.slots), backend=self.backend)
             fault = None
@@ -165,7 +162,8 @@ class HotRowCache(TableStore):
                 # -1 lies outside every row range: hits cost the tier below no read at all.
                 # The resident table as the op reads it (a host store's device address).
                 below = self.inner.resident_table
-                lower = gather_dequant(below.table, torch.where(hit, -1, flat), row_range=self.inner.row_range,
+                index, row_range = self.inner.table_index(torch.where(hit, -1, flat))
+                lower = gather_dequant(below.table, index, row_range=row_range,
                                        backend=self.backend, table_address=below.address)
                 unique = None
             rows = torch.where(hit.unsqueeze(-1), cached, lower).view(*ids.shape, ROW_VALUES)
@@ -187,8 +185,7 @@ class HotRowCache(TableStore):
         from ..ops import gather_dequant
 
         flat_h, hit_h = flat.cpu(), hit.cpu()
-        lo, hi = self.row_range
-        need = ~hit_h & (flat_h >= lo) & (flat_h < hi)
+        need = ~hit_h & self.inner.holds(flat_h)
         uniq, inverse = torch.unique(flat_h[need], return_inverse=True)  # sorted: neighbours share pages
         if uniq.numel() == 0:  # all hits (or other shards' rows)
             return torch.zeros((flat.numel(), ROW_VALUES), dtype=torch.bfloat16, device=self.device), 0, None
@@ -215,11 +212,10 @@ class HotRowCache(TableStore):
         """Packed rows of `ids` (this shard's, on the device) for admission."""
         if ids.numel() == 0:
             return self.cache_rows[:0]
-        lo = self.row_range[0]
         below = self.inner.resident_table
         if below is not None:
-            local = (ids - lo).to(below.table.device)
-            return below.table[local].to(self.device, non_blocking=True)
+            local, (first, _) = self.inner.table_index(ids)
+            return below.table[(local - first).to(below.table.device)].to(self.device, non_blocking=True)
         ids_h = ids.cpu().numpy()
         out = np.empty((ids_h.shape[0], ROW_BYTES), dtype=np.uint8)
         found = np.zeros(ids_h.shape[0], dtype=bool)
@@ -291,11 +287,10 @@ class HotRowCache(TableStore):
             ids, counts, _ = prof.layer(self.layer_id)
         finally:
             prof.close()
-        lo, hi = self.row_range
         if ids.size and int(ids.max()) >= self.rows:
             raise EngramError(f"{profile}: layer {self.layer_id} row {int(ids.max())} is outside the table's "
                               f"{self.rows} rows: the profile was made for another table")
-        mine = (ids >= lo) & (ids < hi)
+        mine = self.inner.holds(torch.from_numpy(ids)).numpy()
         with self._cache_lock:
             got, slots = self.directory.prewarm(torch.from_numpy(ids[mine]), torch.from_numpy(counts[mine]))
             if got.numel():
@@ -317,7 +312,7 @@ def wrap_stores(stores: dict[int, TableStore], cache_bytes: int, *, profile: Opt
     bytes for all layers together) in proportion to the rows each store holds."""
     if cache_bytes <= 0:
         return stores
-    budget = split_by_rows(cache_bytes, {L: s.row_range[1] - s.row_range[0] for L, s in stores.items()})
+    budget = split_by_rows(cache_bytes, {L: s.rows_held for L, s in stores.items()})
     out: dict[int, TableStore] = {}
     try:
         for L, store in sorted(stores.items()):

@@ -9,7 +9,7 @@ import torch
 
 from ..rowformat import ROW_BYTES
 from ..tablefile import DATA_OFFSET
-from .base import RowRanges, WholeTableStore
+from .base import WholeTableStore
 from .hostmem import fill_from_file
 
 # A GPU shard is read through a host bounce buffer of this size, so that loading a 47 GiB
@@ -26,18 +26,9 @@ class DeviceStore(WholeTableStore):
 
     def __init__(self, layer_id, path, rows, row_range, device, backend, *, metric_ranks=None):
         """`row_range`: one (lo, hi), or a list of ranges (`column_shards`), held one after another."""
-        ranges = [tuple(row_range)] if row_range and isinstance(row_range[0], int) else [tuple(r) for r in row_range]
-        if len(ranges) == 1:
-            super().__init__(layer_id, path, rows, ranges[0], device, backend, metric_ranks=metric_ranks)
-            lo, hi = ranges[0]
-            self.table = _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, torch.device(self.device))
-            return
-        shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard")
-        # row_range: the span of the ranges (what holds between them belongs to other ranks)
-        super().__init__(layer_id, path, rows, (ranges[0][0], ranges[-1][1]) if ranges else (0, 0), device, backend,
-                         metric_ranks=metric_ranks)
-        self.shard = shard
-        self.table = torch.empty((shard.held, ROW_BYTES), dtype=torch.uint8, device=self.device)
+        super().__init__(layer_id, path, rows, row_range, device, backend, metric_ranks=metric_ranks)
+        ranges = self.row_ranges
+        self.table = torch.empty((self.rows_held, ROW_BYTES), dtype=torch.uint8, device=self.device)
         at = 0
         for lo, hi in ranges:  # each range straight into its slice (no second copy of the shard)
             _load_rows(path, DATA_OFFSET + lo * ROW_BYTES, hi - lo, self.device, out=self.table[at:at + hi - lo])

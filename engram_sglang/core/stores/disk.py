@@ -71,8 +71,7 @@ class DiskStore(TableStore):
             raise EngramError(f"disk store: threads must be >= 1, got {threads}")
         if dram_cache_bytes < 0:
             raise EngramError(f"disk store: dram_cache_bytes must be >= 0, got {dram_cache_bytes}")
-        lo, hi = row_range
-        self.dram = DramRowCache(dram_cache_bytes, max_rows=hi - lo) if dram_cache_bytes else None
+        self.dram = DramRowCache(dram_cache_bytes, max_rows=self.rows_held) if dram_cache_bytes else None
         self._file_rows = 0  # rows read from the file (cache misses), all calls
         self._published_dram = (0, 0)  # DRAM-cache lookups and hits already in the Prometheus counters
         self._ahead: Optional[ThreadPoolExecutor] = None  # read-ahead
@@ -130,7 +129,7 @@ class DiskStore(TableStore):
     def _gather(self, ids, out):
         # The ids visit the host once per call: the reads need them there (on a GPU,
         # `.to("cpu")` on the caller's stream waits for the kernel that made them).
-        flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        flat = self._own_ids(ids.reshape(-1).to("cpu", torch.int64).numpy())
         self._check_unchanged()
         self._await_ahead(flat)
         if self.native_step:
@@ -173,6 +172,14 @@ class DiskStore(TableStore):
             served.fault.rows = rows
             raise served.fault
         return rows, served.unique
+
+    def _own_ids(self, flat: np.ndarray) -> np.ndarray:
+        """Host ids with those of other ranks between this shard's ranges (a balanced shard,
+        several ranges) made -1: every read path below (the native step's, `_plan`'s, the
+        read-ahead's) then keeps the ids inside the span `row_range`, which are this shard's."""
+        if self.shard is None:
+            return flat
+        return np.where(self.shard.holds(flat), flat, -1)
 
     def _plan(self, flat: np.ndarray, local_out: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct ids of this shard, staging index of each id). Ids outside the
@@ -228,6 +235,7 @@ class DiskStore(TableStore):
             flat = host_ids.numpy()
             if flat.size:
                 self._check_ids(int(flat.min()), int(flat.max()))
+            flat = self._own_ids(flat)
             self._check_unchanged()
             self._await_ahead(flat)
             local = slot.buffer("local", (flat.shape[0],), torch.int64)
@@ -363,7 +371,7 @@ class DiskStore(TableStore):
         if self.dram is None and self.direct:
             return None
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy() if isinstance(ids, torch.Tensor) else ids.reshape(-1)
-        uniq = np.unique(flat)
+        uniq = np.unique(self._own_ids(flat))
         first, end = np.searchsorted(uniq, self.row_range)
         wanted = uniq[first:end].astype(np.int64)
         return self._worker("_ahead", "ahead").submit(self._read_ahead, wanted)
@@ -529,9 +537,8 @@ class DiskStore(TableStore):
                else "page cache through a persistent mapping")
         cache = ""
         if self.dram is not None:
-            lo, hi = self.row_range
             cache = (f", DRAM row cache {self.dram.nbytes / 2**30:.2f} GiB ({self.dram.slots:,} rows, "
-                     f"{self.dram.slots / max(1, hi - lo):.1%} of the shard)")
+                     f"{self.dram.slots / max(1, self.rows_held):.1%} of the shard)")
         return f"{super().describe()}, {how}, {self.threads} reads in flight{cache}"
 
     def close(self) -> None:

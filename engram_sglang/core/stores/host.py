@@ -25,7 +25,7 @@ from ..rowformat import ROW_BYTES, ROW_VALUES
 from ..tablefile import DATA_OFFSET
 from . import hostmem, shmadmin, shmcopy, thp
 from . import numa as numa_mod
-from .base import WholeTableStore
+from .base import RowRanges, WholeTableStore, as_ranges
 from .metrics import METRICS
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,11 @@ class HostStore(WholeTableStore):
                  checksums: tuple[str, ...] = (), chunk_rows: int = 0, whole_rows: bool = False, numa: str = "auto",
                  metric_ranks=None):
         super().__init__(layer_id, path, rows, row_range, device, backend, metric_ranks=metric_ranks)
-        lo, hi = row_range
+        # A shard of several ranges (a balanced one): a private copy holds just its rows, one
+        # range after another; the node's copy holds all and the op reads the ranges' span.
+        lo, hi = self.row_range
+        ranges = self.row_ranges
+        held = self.rows_held
         if self.device.type == "cuda":
             # Before the table is read into memory: a device that can read registered host
             # memory neither by its host pointer nor by a mapped device address is refused.
@@ -62,7 +66,7 @@ class HostStore(WholeTableStore):
         def copy_spec(binding):
             return shmcopy.Spec(Path(shm_dir), layer_id, rows, chunk_rows, tuple(checksums), keep, binding)
 
-        self.binding = numa_mod.choose(numa, self.device, (rows if shared else hi - lo) * ROW_BYTES,
+        self.binding = numa_mod.choose(numa, self.device, (rows if shared else held) * ROW_BYTES,
                                        present=lambda b: shmcopy.allocated_bytes(copy_spec(b).path) if shared else 0)
         spec = None
         if shared:
@@ -107,19 +111,28 @@ class HostStore(WholeTableStore):
         self.fell_back = bool(shared) and spec is None  # asked to share, kept a private copy (start_up_warning)
         if self.fell_back:
             # The private fallback holds this rank's rows only: bound by their size, not the layer's.
-            self.binding = numa_mod.choose(numa, self.device, (hi - lo) * ROW_BYTES)
+            self.binding = numa_mod.choose(numa, self.device, held * ROW_BYTES)
         first, last = (0, rows) if spec is not None else (lo, hi)
+        # Whether the mapping holds rows [first, last) in place (one range, or the node's copy),
+        # or a private copy of several ranges one after another.
+        self._in_place = spec is not None or self.shard is None
+        if not self._in_place:
+            first, last = 0, held
+        elif self.shard is not None:  # the node's copy: the op reads the span, the ranges in place
+            self.shard = RowRanges(ranges, rows, f"{path}: layer {layer_id} shard", compact=False).on(self.device)
         if whole_rows and spec is not None:
             # The node's copy holds the whole layer: this rank reads the whole rows of its own
             # tokens (no other rank's rows needed, no all-reduce; open_store's `agree`).
             lo, hi = self.row_range = (0, rows)
+            self.shard = None
         nbytes = (last - first) * ROW_BYTES
         # The shared copy is served read-only, unless the GPU cannot register read-only memory
         # (no ReadOnly registration flag: HIP, older CUDA devices), which then needs it writable.
         read_only = self.device.type != "cuda" or hostmem.can_register_read_only(self.device)
+        pieces = None if self._in_place else [(DATA_OFFSET + a * ROW_BYTES, (b - a) * ROW_BYTES) for a, b in ranges]
         self.memory = hostmem.HostTable(
             nbytes, source=Path(path), source_offset=DATA_OFFSET + first * ROW_BYTES, shared=spec,
-            huge_pages=huge_pages, read_only=read_only, binding=self.binding,
+            huge_pages=huge_pages, read_only=read_only, binding=self.binding, pieces=pieces,
         )
         shm_path = self.memory.shm_path
         self.shared = shm_path is not None
@@ -127,14 +140,15 @@ class HostStore(WholeTableStore):
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             mapped = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=nbytes).view(last - first, ROW_BYTES)
         self._mapped, self._first = mapped, first
-        self.table = mapped[lo - first : hi - first]
+        self.table = mapped[lo - first : hi - first] if self._in_place else mapped
         # Registered: only the pages of the rows this rank reads (its shard of a shared layer,
-        # or the whole layer where it reads whole rows), for this store's device; kernels read
-        # them by the device address the runtime gives.
+        # the span of its ranges there, or the whole layer where it reads whole rows), for this
+        # store's device; kernels read them by the device address the runtime gives.
         self.registration: Optional[hostmem.Registration] = None
-        if self.device.type == "cuda" and hi > lo:
+        if self.device.type == "cuda" and self.table.shape[0]:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self.registration = hostmem.register_with_gpu(self.table.data_ptr(), (hi - lo) * ROW_BYTES, device=index)
+            self.registration = hostmem.register_with_gpu(self.table.data_ptr(), self.table.shape[0] * ROW_BYTES,
+                                                          device=index)
             self.table_address = self.registration.device_pointer(self.table.data_ptr())
             self.memory.registered = True
         # Without ATS the GPU translates every row of a table far beyond its translation reach:
@@ -168,15 +182,20 @@ class HostStore(WholeTableStore):
     def node_shared(self) -> bool:
         return self.shared
 
-    def hold_only(self, row_range: tuple[int, int]) -> None:
-        """Narrow whole rows to a shard (a peer rank holds only its shard): the mapping and its
-        registration stay, the table the op reads becomes the shard's rows."""
-        lo, hi = row_range
+    def hold_only(self, row_range) -> None:
+        """Narrow whole rows to a shard, one range or several (a peer rank holds only its
+        shard): the mapping and its registration stay, the table the op reads becomes the
+        shard's rows (the span of its ranges, read through `shard`)."""
+        ranges = as_ranges(row_range)
         first = self._first
-        if not first <= lo <= hi <= first + self._mapped.shape[0]:
-            super().hold_only(row_range)  # raises: rows this store does not map
+        shard = RowRanges(ranges, self.rows, f"{self.path}: layer {self.layer_id} shard", compact=False).on(self.device)
+        lo, hi = shard.span
+        if not self._in_place or not first <= lo <= hi <= first + self._mapped.shape[0]:
+            super().hold_only(row_range)  # raises unless unchanged: rows this store does not map in place
+            return
         self.table = self._mapped[lo - first : hi - first]
         self.row_range = (lo, hi)
+        self.shard = shard if len(ranges) > 1 else None
         if self.registration is not None:
             self.table_address = self.registration.device_pointer(self.table.data_ptr())
 

@@ -87,10 +87,13 @@ class HostTable:
         read-only unless `read_only` is off) instead of anonymous memory. It is filled under
         the spec's NUMA binding.
     binding : the NUMA binding of a private (anonymous) copy (stores/numa.py).
+    pieces : a private copy's [(file offset, bytes), ...] laid one after another (a balanced
+        shard's row ranges, summing to `nbytes`); by default the `nbytes` at `source_offset`.
     """
 
-    def __init__(self, nbytes: int, *, source: Path, source_offset: int, shared: Optional["shmcopy.Spec"] = None,
-                 huge_pages: bool = True, read_only: bool = True, binding: Optional[numa.Binding] = None):
+    def __init__(self, nbytes: int, *, source: Path, source_offset: int = 0, shared: Optional["shmcopy.Spec"] = None,
+                 huge_pages: bool = True, read_only: bool = True, binding: Optional[numa.Binding] = None,
+                 pieces: Optional[list[tuple[int, int]]] = None):
         self.nbytes = nbytes
         self.huge_pages = huge_pages
         self.shared: Optional[shmcopy.SharedCopy] = None
@@ -99,10 +102,14 @@ class HostTable:
             self.map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._advise_huge(self.map)
             numa.bind(self.map, binding)  # before the fill touches the first page
-            fill_from_file(self.map, source, source_offset, nbytes)
+            at = 0
+            for offset, n in pieces if pieces is not None else [(source_offset, nbytes)]:
+                with memoryview(self.map)[at:at + n] as into:  # released here: the mapping may be closed later
+                    fill_from_file(into, source, offset, n)
+                at += n
             self._collapse()
         else:
-            if shared.nbytes != nbytes:
+            if shared.nbytes != nbytes or pieces is not None:
                 raise ValueError(f"a shared copy holds the whole layer ({shared.nbytes} bytes), not {nbytes}")
             self.shared = shmcopy.SharedCopy(
                 shared, lambda m, progress: fill_from_file(m, source, source_offset, nbytes, progress), self._advise_huge,
