@@ -5,8 +5,9 @@ parallel state (a GroupCoordinator over gloo) and dp_attention helpers. Each ran
 the whole rows of its OWN ids bit for bit, for device, private host and disk shards, in SGLang's
 SUM_LEN (all-reduce + dp_scatter) and MAX_LEN (reduce-scatter) padding modes, with every float
 sum made lossy (an fp16 round trip, as ROCm's quick all-reduce does) and integers summed
-exactly. Negative controls in the same processes: ranks that skip the exchange, and ranks that
-sum the bf16 rows instead of their int32 view, must get other bits.
+exactly; under attention context parallelism, device and disk shards. Negative controls in
+the same processes: ranks that skip the exchange, and ranks that sum the bf16 rows instead of
+their int32 view, must get other bits.
 
 Faults (disk): reads of some rows fail with EIO on ONE rank (rank 1, through the disk store's
 own read path); that rank still joins the exchange, and every rank fails exactly the requests
@@ -128,15 +129,17 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
         with get_parallel().override(tp_size=world, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
                                      attn_dp_rank=0, attn_cp_size=world, attn_cp_rank=rank, tp_group=group,
                                      attn_cp_group=group) as par:
-            runtime = process_runtime(settings=ServeSettings(placement="device", table_dir=table_dir), device="cpu",
-                                      parallel=par)
-            embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
-            out["cp", "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange, runtime.attention_rows)
-            ids = _ids(layout, rank, 3)
-            out["cp", "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
-            ids = _ids(layout, 0, 4)
-            out["cp", "decode"] = (ids, embed(ids, None))
-            runtime.close()
+            for placement in ("device", "disk"):
+                runtime = process_runtime(settings=ServeSettings(placement=placement, table_dir=table_dir),
+                                          device="cpu", parallel=par)
+                embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+                out["cp", placement, "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange,
+                                                  runtime.attention_rows)
+                ids = _ids(layout, rank, 3)
+                out["cp", placement, "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
+                ids = _ids(layout, 0, 4)
+                out["cp", placement, "decode"] = (ids, embed(ids, None))
+                runtime.close()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -247,11 +250,12 @@ def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, 
                 ids = out[placement, "sum_len"][0]
                 assert ids[0, 0] == 0 and ids[-1, -1] == layout.rows(5) - 1
         _check_faults(out, torch.load(tmp_path / "rank1.pt")["disk", "fault_sum_len"][3], packed, rank)
-        assert out["cp", "opened"] == (rank, world, "cp", "exchange")
-        for case in ("slice", "decode"):
-            ids, rows = out["cp", case]
-            want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
-            assert torch.equal(bf16_bits(rows), want), (rank, case)
+        for placement in ("device", "disk"):
+            assert out["cp", placement, "opened"] == (rank, world, "cp", "exchange")
+            for case in ("slice", "decode"):
+                ids, rows = out["cp", placement, case]
+                want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+                assert torch.equal(bf16_bits(rows), want), (rank, placement, case)
 
 
 def _check_faults(out: dict, held: torch.Tensor, packed, rank: int) -> None:
