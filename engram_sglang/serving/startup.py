@@ -97,7 +97,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
         logger.error("engram-sglang: error: %s", e)
         raise
     if how is not None:
-        logger.info(attention_rows_line(settings, parallel, how))
+        logger.info("%s", attention_rows_line(settings, parallel, how))
     if per_process:
         runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
     runtime.context_parallel = context_parallel
