@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from .errors import EngramError
 
@@ -58,11 +58,11 @@ class Placement:
         rank needs another's rows and no all-reduce is needed; (): each rank holds a shard.
     cache_in_front : a hot-row cache in device memory may sit in front of it.
     what : one line for help texts.
-    whole_from_files : a rank that opens the whole layer reads its rows from the table files
-        and holds no copy of them (only its caches): under attention data/context parallelism,
-        where the TP ranks look up different tokens, each rank then reads the whole rows of its
-        own tokens with no collective (the default for the disk tier; `serving/row_exchange.py` is
-        placement-generic, so a store option could send it through the id exchange instead).
+    whole_from_files : where the id exchange cannot serve ranks that hold different tokens
+        (`attention_rows`'s `exchange_refused`), a rank may instead open the whole layer, read
+        its own tokens' rows from the table files and hold no copy of them (only its caches),
+        with no collective (the disk tier; elsewhere its shards + exchange read fewer rows on
+        the slowest rank: docs/measurements.md section 13).
     """
 
     name: str
@@ -91,13 +91,16 @@ class Placement:
         on = [options.get(name, defaults[name]) for name in self.whole_rows_with]
         return WHOLE if on and all(on) else SHARD
 
-    def attention_rows(self, options: Mapping[str, Any]) -> str:
+    def attention_rows(self, options: Mapping[str, Any], exchange_refused: Optional[str] = None) -> str:
         """SHARED_COPY, FROM_FILES or EXCHANGE: how these options serve ranks of one TP group
         that hold different tokens (attention DP/CP). Whole rows where each rank can have them
-        without a copy of its own; shards + id exchange otherwise (device, private host)."""
+        without a copy of its own; shards + id exchange otherwise (device, private host, disk).
+        `exchange_refused` (why the exchange cannot serve this server, e.g. staged disk graphs):
+        whole rows from the files where the placement can read them so, else still EXCHANGE
+        (the caller refuses it with that reason)."""
         if self.rows_held(options) == WHOLE:
             return SHARED_COPY
-        return FROM_FILES if self.whole_from_files else EXCHANGE
+        return FROM_FILES if exchange_refused and self.whole_from_files else EXCHANGE
 
     def store_class(self):
         """The TableStore class (imports torch and the stores)."""

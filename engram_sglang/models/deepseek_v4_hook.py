@@ -32,9 +32,9 @@ whole rows where the placement's node copy allows it. Under attention data or co
 parallelism the ranks of the TP group hold different tokens, so a plain sum would mix requests;
 the placement table says what each placement does instead (`Placement.attention_rows`,
 serving/startup.py `attention_rows`): the node's one shared host copy (`--engram-placement host
---engram-host-shared on`) and the table files (`--engram-placement disk`, each rank its own DRAM
-cache) give every rank whole rows of its own tokens with no collective; device and private host
-shards exchange ids as upstream does (serving/row_exchange.py): per Engram layer, every
+--engram-host-shared on`) gives every rank whole rows of its own tokens with no collective;
+device, private host and disk shards exchange ids as upstream does (serving/row_exchange.py;
+for disk, cheaper than whole rows at DP 2/4/8: docs/measurements.md section 13): per Engram layer, every
 attention-DP rank's ids are gathered with SGLang's `dp_gather_replicate`, each rank reads the
 rows its shard owns for all of them, and each rank's rows come back through an int32
 reduce-scatter (or all-reduce and `dp_scatter`, as SGLang's padding mode allows); a context-
@@ -42,8 +42,13 @@ parallel prompt slice gathers the CP group's slices first. The exchange is per l
 per step for all layers: every rank must issue the same collectives in the same order, and a
 step's prefetch decision differs between ranks (an idle rank, an extend beside a decode, a
 prefill graph), while every rank runs every Engram layer's lookup (upstream's contract), in a
-CUDA graph too (host integers only: no sync). Attention DP and CP together over shards, and
-Engram modes on exchanged ids, are refused at start-up in one line.
+CUDA graph too (host integers only: no sync). A disk read that fails on one rank still joins
+the exchange, with a flag per token that reaches the rank owning it, which fails that request.
+Where the exchange cannot serve (`exchange_refused`: `--engram-disk-graphs on`, whose staged rows
+are read per rank before a replay that cannot wait for other ranks' ids; Engram modes; attention
+DP and CP together) the disk tier reads whole rows of each rank's own tokens from the table
+files (each rank its own DRAM cache), as the start-up line says; other shards are refused there
+in one line.
 """
 
 from __future__ import annotations

@@ -315,21 +315,61 @@ class EngramRuntime:
         (serving/row_exchange.py): a collective every rank joins for every Engram layer, an idle
         rank included, so nothing here may skip it. The step's own column reads its graph
         padding as -1 (+0 rows, as the step's own gather does); no prefetch was issued for it
-        (deepseek_v4_hook `_layers_read_these_ids`)."""
+        (deepseek_v4_hook `_layers_read_these_ids`). A store that reads files joins with its
+        failed reads contained and flagged: each rank fails its own tokens' requests that lacked
+        a row, whichever rank failed to read it (`_contain_exchanged`)."""
         own = False
         if step is not None and not context:
             col = step.hash_ids[:, self.layer_index[layer_id]]
             own = col.data_ptr() == ids.data_ptr() and col.shape == ids.shape and col.stride() == ids.stride()
             if own:
                 ids = mask_padding(ids, step.padding)
-        gather = self.stores[layer_id].gather
+        store = self.stores[layer_id]
+        can_fail = store.needs_host_ids  # (the same on every rank: they serve one placement)
         t0 = time.perf_counter()
-        rows = context_rows(gather, ids) if context else exchange_rows(gather, ids, forward_batch)
+        if context:
+            rows = context_rows(store.gather, ids, can_fail=can_fail)
+        else:
+            rows = exchange_rows(store.gather, ids, forward_batch, can_fail=can_fail)
+        if can_fail:
+            # A host sync per layer, on a store whose ids visit the host anyway (never captured).
+            rows, failed, fault = rows
+            if fault is not None or bool(failed.any()):
+                self._contain_exchanged(step, layer_id, failed, fault, own=own)
         if step is not None:
             step.wait_seconds += time.perf_counter() - t0
             if self._trace is not None and own:
                 step.rows[layer_id] = rows
         return rows
+
+    def _contain_exchanged(self, step: Optional[EngramStep], layer_id: int, failed: torch.Tensor,
+                           fault: Optional[TableIOError], *, own: bool) -> None:
+        """The exchange's faults, after the collective every rank joined: this rank's own failed
+        read is logged and counted here (its rows may be other ranks' tokens'), and the requests
+        of this rank's tokens flagged `failed` fail (every request of the step where the ids are
+        not its own column), as `_contain` fails them; their rows are +0, never served. Without a
+        step (a lookup no step began) a flagged token raises, as a failed read does there."""
+        if fault is not None:
+            with self._lock:
+                self._faults += 1
+            self._faults_metric.inc()
+            logger.error("engram-sglang: engram layer %d: %s; the ranks whose tokens needed those rows fail "
+                         "their requests", layer_id, fault)
+        where = f"engram layer {layer_id}: " + (str(fault) if fault is not None else
+                                                  "a row read by another attention rank failed after its retries "
+                                                  "(that rank's log names the table file and errno)")
+        bad = failed.cpu()
+        if not bool(bad.any()):
+            return
+        if step is None:
+            raise TableIOError(where)
+        owners = step.token_req.cpu()
+        slots = sorted(s for s in set((owners[bad] if own else owners).tolist()) if s >= 0)
+        with self._lock:
+            for slot in slots:
+                self._failed.setdefault(int(slot), where)
+        logger.error("engram-sglang: %s; failing the %d request(s) of this rank that needed those rows, serving "
+                     "the rest", where, len(slots))
 
     def peek_step(self, input_ids: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(row ids [T, L, C], each token's request slot [T]) of a decode step (and, with a

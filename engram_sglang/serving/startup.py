@@ -96,6 +96,8 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
     except EngramError as e:
         logger.error("engram-sglang: error: %s", e)
         raise
+    if how is not None:
+        logger.info("%s", attention_rows_line(settings, parallel, how))
     if per_process:
         runtime.hook_key = key  # found again by the next layer's factory call, and by the hasher's wrap
     runtime.context_parallel = context_parallel
@@ -201,26 +203,53 @@ def attention_rows(settings, parallel) -> Optional[str]:
     """How the placement serves ranks of one TP group that hold different tokens (attention
     data or context parallelism, TP > 1): the placement table's SHARED_COPY, FROM_FILES or
     EXCHANGE (core/placement_table.py `Placement.attention_rows`); None: the ranks hold the
-    same tokens. What the exchange cannot serve yet is refused in one line."""
+    same tokens. Where the exchange cannot serve (`exchange_refused`) the disk tier reads whole
+    rows from the files instead; a placement that cannot is refused in one line."""
     from ..core.placement_table import EXCHANGE, placement
-    from .modes import modes_in_use
 
     if parallel.tp_size == 1 or (parallel.attn_dp_size == 1 and parallel.attn_cp_size == 1):
         return None
+    refused = exchange_refused(settings, parallel)
     # --engram-host-whole-rows auto counts as on with a shared copy: no collective at all.
-    how = placement(settings.placement).attention_rows(settings.store_options())
-    if how == EXCHANGE and parallel.attn_dp_size > 1 and parallel.attn_cp_size > 1:
-        raise EngramError(
-            f"attention data and context parallelism together (attn-dp-size {parallel.attn_dp_size}, attn-cp-size "
-            f"{parallel.attn_cp_size}) with row shards ({settings.placement} placement) is not supported: use "
-            f"--engram-placement host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk "
-            f"(every rank reads whole rows of its own tokens)")
-    if how == EXCHANGE and parallel.attn_dp_size > 1 and modes_in_use(settings):
-        # Modes pick a step's tokens on each rank; an exchanged lookup reads every rank's ids as they come.
-        raise EngramError("Engram modes (--engram-mode, --engram-ablation) are not applied to ids exchanged between "
-                          "attention data-parallel ranks: start without them, or serve whole rows (--engram-placement "
-                          "host --engram-host-shared on --engram-host-whole-rows on, or --engram-placement disk)")
+    how = placement(settings.placement).attention_rows(settings.store_options(), refused and refused[0])
+    if how == EXCHANGE and refused:
+        raise EngramError(f"{refused[0]} with row shards ({settings.placement} placement) is not supported: "
+                          f"{refused[1]}")
     return how
+
+
+def exchange_refused(settings, parallel) -> Optional[tuple[str, str]]:
+    """(why, what to do) where the id exchange cannot serve these attention DP/CP ranks: staged
+    disk graphs (each rank's rows are read before a replay, which cannot wait for the other
+    ranks' ids), attention DP and CP together, Engram modes on exchanged ids. None: it can."""
+    from ..core.placement_table import placement
+    from .modes import modes_in_use
+
+    whole = ("serve whole rows: --engram-placement host --engram-host-shared on --engram-host-whole-rows on, or "
+             "--engram-placement disk (every rank reads whole rows of its own tokens)")
+    if settings.disk_graphs and placement(settings.placement).ids_visit_host:
+        return ("--engram-disk-graphs on (each rank stages its own tokens' rows before a decode replay, which "
+                "cannot wait for the other ranks' ids)", "start without --engram-disk-graphs")
+    if parallel.attn_dp_size > 1 and parallel.attn_cp_size > 1:
+        return (f"attention data and context parallelism together (attn-dp-size {parallel.attn_dp_size}, "
+                f"attn-cp-size {parallel.attn_cp_size})", whole)
+    if parallel.attn_dp_size > 1 and modes_in_use(settings):
+        # Modes pick a step's tokens on each rank; an exchanged lookup reads every rank's ids as they come.
+        return ("Engram modes (--engram-mode, --engram-ablation) on ids exchanged between attention data-parallel "
+                "ranks", "start without them, or " + whole)
+    return None
+
+
+def attention_rows_line(settings, parallel, how: str) -> str:
+    """The start-up line saying how this server's attention DP/CP ranks get their rows, and
+    why the disk tier reads whole rows where it does (no exchange: `exchange_refused`)."""
+    from ..core.placement_table import ATTENTION_ROWS_WHAT, FROM_FILES
+
+    which = "data" if parallel.attn_dp_size > 1 else "context"
+    line = (f"engram-sglang: attention {which} parallelism, {settings.placement} placement: rows by {how}: "
+            f"{ATTENTION_ROWS_WHAT[how]}")
+    refused = exchange_refused(settings, parallel) if how == FROM_FILES else None
+    return line + (f"; not exchanged: {refused[0]}" if refused else "")
 
 
 def rank_rows(settings, parallel) -> tuple[int, int]:

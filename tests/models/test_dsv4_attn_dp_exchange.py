@@ -2,16 +2,25 @@
 (gloo), each an attention-DP rank of one TP group (attention DP = TP) with its own token count
 (one rank idle), serve their Engram lookups through our StoreEngramEmbedding under SGLang's own
 parallel state (a GroupCoordinator over gloo) and dp_attention helpers. Each rank's rows must be
-the whole rows of its OWN ids bit for bit, for device and private host shards, in SGLang's
+the whole rows of its OWN ids bit for bit, for device, private host and disk shards, in SGLang's
 SUM_LEN (all-reduce + dp_scatter) and MAX_LEN (reduce-scatter) padding modes, with every float
 sum made lossy (an fp16 round trip, as ROCm's quick all-reduce does) and integers summed
-exactly. Negative controls in the same processes: ranks that skip the exchange, and ranks that
-sum the bf16 rows instead of their int32 view, must get other bits."""
+exactly; under attention context parallelism, device and disk shards. Negative controls in
+the same processes: ranks that skip the exchange, and ranks that sum the bf16 rows instead of
+their int32 view, must get other bits.
+
+Faults (disk): reads of some rows fail with EIO on ONE rank (rank 1, through the disk store's
+own read path); that rank still joins the exchange, and every rank fails exactly the requests
+of its own tokens that needed a failed row (the flag column), whichever rank read it, while
+every other token's rows stay exact; a timeout fails the test if any rank hangs. Negative
+control: with the flag column zeroed the owners do not learn of the failure.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,8 +37,10 @@ pytest.importorskip("sglang.srt.layers.dp_attention", reason="needs the installe
 
 CFG = small_config(300, layer_ids=(2, 5), n_heads=2)
 COUNTS = {2: [7, 0], 4: [5, 0, 11, 1]}  # tokens per attention-DP rank (one idle)
-PLACEMENTS = {"device": {}, "host": {"host_shared": False}}
+PLACEMENTS = {"device": {}, "host": {"host_shared": False}, "disk": {"disk_retries": 0}}
 CASES = ("sum_len", "max_len", "skip", "bf16")  # the last two: negative controls
+FAULT_COUNTS = {2: [5, 3], 4: [5, 2, 3, 0]}  # tokens per rank where rank 1's reads fail
+FAULT_CASES = ("fault_sum_len", "fault_max_len", "fault_noflag")  # the last: negative control
 
 
 def _ids(layout: EngramLayout, rank: int, n: int) -> torch.Tensor:
@@ -102,7 +113,7 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
                     from engram_sglang.serving import runtime as runtime_module
 
                     if case == "skip":  # every rank reads its own shard of its own ids, nothing exchanged
-                        runtime_module.exchange_rows = lambda gather, ids, fb: gather(ids)
+                        runtime_module.exchange_rows = _skip_exchange
                     if case == "bf16":  # the rows summed as bf16 through SGLang's all-reduce (CUDA's old path)
                         row_exchange.exact_sum_ = lambda rows, g: g.all_reduce(rows)
                     try:
@@ -110,21 +121,25 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
                     finally:
                         runtime_module.exchange_rows, row_exchange.exact_sum_ = real_exchange, real_sum
                     out[placement, case] = (ids[:counts[rank]], rows[:counts[rank]])
+                if placement == "disk":
+                    out.update(_faults(rank, world, layout, runtime, embed, dpa, row_exchange))
                 runtime.close()
         # Attention context parallelism (CP = TP): a prompt slice's ids are gathered over the CP
         # group (upstream's way); a decode lookup, the same tokens on every rank, is summed.
         with get_parallel().override(tp_size=world, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
                                      attn_dp_rank=0, attn_cp_size=world, attn_cp_rank=rank, tp_group=group,
                                      attn_cp_group=group) as par:
-            runtime = process_runtime(settings=ServeSettings(placement="device", table_dir=table_dir), device="cpu",
-                                      parallel=par)
-            embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
-            out["cp", "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange, runtime.attention_rows)
-            ids = _ids(layout, rank, 3)
-            out["cp", "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
-            ids = _ids(layout, 0, 4)
-            out["cp", "decode"] = (ids, embed(ids, None))
-            runtime.close()
+            for placement in ("device", "disk"):
+                runtime = process_runtime(settings=ServeSettings(placement=placement, table_dir=table_dir),
+                                          device="cpu", parallel=par)
+                embed = StoreEngramEmbedding(layout.rows(5), ROW_VALUES, 5, layout.column_bounds(1), runtime=runtime)
+                out["cp", placement, "opened"] = (runtime.tp_rank, runtime.tp_size, runtime.row_exchange,
+                                                  runtime.attention_rows)
+                ids = _ids(layout, rank, 3)
+                out["cp", placement, "slice"] = (ids, embed(ids, None, cp_all_tokens=True))
+                ids = _ids(layout, 0, 4)
+                out["cp", placement, "decode"] = (ids, embed(ids, None))
+                runtime.close()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -132,6 +147,61 @@ def _rank(rank: int, world: int, init_file: str, table_dir: str, shm_dir: str, o
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # (gloo's threads may abort an exiting process under load: see test_stores_distributed.py)
+
+
+def _skip_exchange(gather, ids, fb, can_fail=False):
+    from engram_sglang.serving.row_exchange import Exchanged
+
+    rows = gather(ids)
+    return Exchanged(rows, torch.zeros(ids.shape[0], dtype=torch.bool), None) if can_fail else rows
+
+
+def _faults(rank: int, world: int, layout: EngramLayout, runtime, embed, dpa, row_exchange) -> dict:
+    """FAULT_CASES on every rank, reads of some rows failing on rank 1 only: the rows of rank
+    0's token 2 and rank 1's token 1 that rank 1's shard holds. Each token is a request of its
+    own (slot 100 x rank + token): returns per case the ids, rows, the slots failed on this rank,
+    and the rows rank 1 failed to read."""
+    counts = FAULT_COUNTS[world]
+    store = runtime.stores[5]
+    marked = torch.cat([_ids(layout, 0, counts[0])[2], _ids(layout, 1, counts[1])[1]])
+    held = marked[bf16_bits(store.gather(marked.view(1, -1)))[0].reshape(marked.shape[0], -1).any(-1)]
+    out = {}
+    monkeypatch = pytest.MonkeyPatch()
+    if rank == 1:
+        from tests.support.disk_faults import rows_fail_with_eio
+
+        rows_fail_with_eio(monkeypatch, set(held.tolist()))
+    real_owned = row_exchange._owned
+    try:
+        for case in FAULT_CASES:
+            max_len = case == "fault_max_len"
+            n = max(counts) if max_len else counts[rank]
+            sizes = [max(counts)] * world if max_len else counts
+            fb = _batch(dpa, sizes, max_len)
+            dpa.set_dp_buffer_len(sum(sizes), sizes[rank], max_len, sizes)
+            if case == "fault_noflag":  # the rank that failed joins, but sends no flags
+                def owned(gather, all_ids, can_fail):
+                    ints, fault = real_owned(gather, all_ids, can_fail)
+                    ints[:, -1] = 0
+                    return ints, fault
+
+                row_exchange._owned = owned
+            ids = _ids(layout, rank, n)
+            hash_ids = torch.stack([torch.zeros_like(ids), ids], 1)  # [T, layers (2, 5), C]
+            slots = torch.arange(n, dtype=torch.int64) + 100 * rank
+            step = runtime.begin(hash_ids, slots, torch.arange(n), torch.zeros(n, dtype=torch.int64), "decode",
+                                 forward_batch=fb, prefetch=False)
+            runtime._current = step  # (begin_step's bookkeeping; the step is the model's)
+            try:
+                rows = embed(step.hash_ids[:, 1], fb)  # the step's own column: its tokens' requests
+            finally:
+                row_exchange._owned = real_owned
+                runtime.end(step, 0.0, 0.0, 0)
+            out["disk", case] = (ids, rows, sorted(runtime.take_failed_requests()), held,
+                                 runtime.stats()["read_faults"])
+    finally:
+        monkeypatch.undo()
+    return out
 
 
 def _batch(dpa, sizes, max_len: bool):
@@ -154,8 +224,14 @@ def table(tmp_path_factory):
 @pytest.mark.parametrize("world", [2])  # 4 (COUNTS) passes too; 2 keeps the suite's time
 def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, tmp_path, world):
     table_dir, packed, layout = table
-    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(table_dir), str(tmp_path), str(tmp_path)),
-                       nprocs=world, start_method="spawn")
+    ranks = mp.start_processes(_rank, args=(world, str(tmp_path / "init"), str(table_dir), str(tmp_path),
+                                            str(tmp_path)), nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + 240  # a rank that skipped a collective would leave the others waiting
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("a rank hung in the exchange (a fault must not take a rank out of the collective)")
     for rank in range(world):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         for placement in PLACEMENTS:
@@ -173,8 +249,32 @@ def test_dsv4_attn_dp_shards_exchange_ids_and_return_each_ranks_own_rows(table, 
             if rank == 0:  # the table's first and last rows were among them (ids in every column: `_ids`)
                 ids = out[placement, "sum_len"][0]
                 assert ids[0, 0] == 0 and ids[-1, -1] == layout.rows(5) - 1
-        assert out["cp", "opened"] == (rank, world, "cp", "exchange")
-        for case in ("slice", "decode"):
-            ids, rows = out["cp", case]
-            want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
-            assert torch.equal(bf16_bits(rows), want), (rank, case)
+        _check_faults(out, torch.load(tmp_path / "rank1.pt")["disk", "fault_sum_len"][3], packed, rank)
+        for placement in ("device", "disk"):
+            assert out["cp", placement, "opened"] == (rank, world, "cp", "exchange")
+            for case in ("slice", "decode"):
+                ids, rows = out["cp", placement, case]
+                want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+                assert torch.equal(bf16_bits(rows), want), (rank, placement, case)
+
+
+def _check_faults(out: dict, held: torch.Tensor, packed, rank: int) -> None:
+    """Exactly this rank's tokens that needed a row rank 1 failed to read (`held`: the marked
+    rows rank 1's shard holds) fail their requests (their own slots), their failed rows +0 and
+    every other row exact; only rank 1 counts the fault. Without the flag column
+    (`fault_noflag`) the owners never learn of it."""
+    assert held.numel()
+    for case in FAULT_CASES:
+        ids, rows, failed, _, faults = out["disk", case]
+        needs = torch.isin(ids, held)  # [T, C]: the rows that could not be read
+        want = bf16_bits(dequantize(packed[5][ids.reshape(-1)]).view(*ids.shape, ROW_VALUES))
+        want[needs] = 0  # +0 (never served: their requests fail)
+        assert torch.equal(bf16_bits(rows), want), (rank, case)
+        expected = sorted((torch.nonzero(needs.any(-1)).squeeze(1) + 100 * rank).tolist())
+        if rank == 0:  # rank 0's token 2 needs rows only rank 1 reads: it learns of them through the flags
+            assert 2 in expected, (rank, case)
+        assert faults == (FAULT_CASES.index(case) + 1 if rank == 1 else 0), (rank, case)  # counted where read
+        if case == "fault_noflag":
+            assert failed != expected or not expected, (rank, case)  # the negative control can fail the test
+        else:
+            assert failed == expected, (rank, case)

@@ -493,13 +493,19 @@ def test_factory_serves_configured_tables_and_keeps_upstream_otherwise(parallel,
 @pytest.mark.parametrize("placement, options, how", [
     ("host", {"host_shared": True}, "shared-copy"), ("host", {}, "exchange"),
     ("host", {"host_shared": True, "host_whole_rows": False}, "exchange"),
-    ("device", {}, "exchange"), ("disk", {}, "files"), ("disk", {"disk_dram_cache_mib": 1}, "files")])
-def test_dsv4_attn_dp_serves_every_placement(table, tmp_path, placement, options, how):
+    ("device", {}, "exchange"), ("device", {"disk_graphs": True}, "exchange"), ("disk", {}, "exchange"),
+    ("disk", {"disk_dram_cache_mib": 1}, "exchange"), ("disk", {"disk_graphs": True}, "files"),
+    ("disk", {"mode": "off"}, "files")])
+def test_dsv4_attn_dp_serves_every_placement(table, tmp_path, caplog, placement, options, how):
     """Under attention DP the TP ranks hold different tokens: with the node's shared host copy
-    every rank reads whole rows (no all-reduce), and so does the disk tier (each rank opens the
-    whole layer: it reads the files and holds no copy, only its DRAM cache); device and private
-    host shards keep SGLang's TP ranks and exchange ids per layer (the exchange itself, over
-    real ranks: tests/models/test_dsv4_attn_dp_exchange.py). The placement table says which."""
+    every rank reads whole rows (no all-reduce); device, private host and disk shards keep
+    SGLang's TP ranks and exchange ids per layer (the exchange itself, over real ranks:
+    tests/models/test_dsv4_attn_dp_exchange.py). Where the exchange cannot serve (staged disk
+    graphs: a replay cannot wait for other ranks' ids; Engram modes) the disk tier opens the
+    whole layer and reads its own tokens' rows from the files, and the start-up line says why.
+    The placement table says which."""
+    import logging
+
     from sglang.srt.runtime_context import get_parallel
 
     from engram_sglang.core.placement_table import placement as spec
@@ -511,22 +517,29 @@ def test_dsv4_attn_dp_serves_every_placement(table, tmp_path, placement, options
     if placement == "host":
         options = dict(options, shm_dir=str(tmp_path))
     settings = ServeSettings(placement=placement, table_dir=str(table_dir), **options)
-    assert spec(placement).attention_rows(settings.store_options()) == how
     with get_parallel().override(tp_size=2, tp_rank=1, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=2, attn_dp_rank=1,
                                  attn_cp_size=1, attn_cp_rank=0) as par:
+        refused = startup.exchange_refused(settings, par)
+        assert spec(placement).attention_rows(settings.store_options(), refused and refused[0]) == how
         assert startup.attention_rows(settings, par) == how
         if how == "exchange":
             # SGLang's TP rank and size: a shard per rank (opening one needs the TP group's ranks:
             # tests/models/test_dsv4_attn_dp_exchange.py opens them and exchanges ids for real).
             assert startup.rank_rows(settings, par) == (1, 2)
             return
-        runtime = process_runtime(settings=settings, device="cpu", parallel=par)
+        with caplog.at_level(logging.INFO, logger="engram_sglang.serving.startup"):
+            runtime = process_runtime(settings=settings, device="cpu", parallel=par)
     try:
+        line = [r.getMessage() for r in caplog.records if "attention data parallelism" in r.getMessage()]
+        assert line and f"rows by {how}" in line[0], line
+        if how == "files":  # why the disk tier does not exchange ids here
+            assert ("--engram-disk-graphs on" if settings.disk_graphs else "Engram modes") in line[0], line
         assert runtime.attention_rows == how == runtime.stats()["attention_rows"]
         decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False))
         assert (runtime.tp_rank, runtime.tp_size, runtime.row_exchange) == (0, 1, None)  # whole rows: no sum
         assert not runtime.reduce_rows and all(s.row_range == (0, s.rows) for s in runtime.stores.values())
-        assert _layers_read_these_ids(runtime, decode, lambda: False)
+        if runtime.staged is None:
+            assert _layers_read_these_ids(runtime, decode, lambda: False)
         ids = torch.randint(0, layout.rows(LAYER), (9, 6))
         got = runtime.rows(None, LAYER, ids)
         assert torch.equal(bf16_bits(got), expected(packed[LAYER], ids))

@@ -20,12 +20,12 @@ import torch
 from engram_sglang.core import rowformat
 from engram_sglang.core.hashing import EngramLayout, NgramHasher
 from engram_sglang.core.rowformat import ROW_VALUES, bf16_bits
-from engram_sglang.core.stores import open_store, rowio
+from engram_sglang.core.stores import open_store
 from engram_sglang.core.stores.base import TableIOError, TableReadFault
 from engram_sglang.serving import faults
 from engram_sglang.serving.runtime import EngramRuntime
 from engram_sglang.serving.settings import ServeSettings
-from tests.support.disk_faults import reads_by_the_store
+from tests.support.disk_faults import reads_by_the_store, rows_fail_with_eio
 from tests.support.fake_streams import RecordingStreams
 from tests.support.tables import random_table_dir, small_config
 
@@ -41,30 +41,7 @@ def tables(tmp_path_factory):
 @pytest.fixture
 def broken(monkeypatch):
     """Rows in the returned set fail with EIO on every read path (mapping, AIO, pread)."""
-    bad: set[int] = set()
-    real_pread = rowio.pread_rows
-
-    def pread_rows(fd, off, rows, out, threads, direct):
-        hit = np.flatnonzero(np.isin(rows, list(bad)))
-        if hit.size:
-            return errno.EIO, int(hit[0])
-        return real_pread(fd, off, rows, out, threads, direct)
-
-    real_copy, real_aio = rowio.copy_mapped, rowio.aio_read_rows
-
-    def copy_mapped(base, rows, out, threads):  # a faulting index sends the store to pread
-        hit = np.flatnonzero(np.isin(rows, list(bad)))
-        return int(hit[0]) if hit.size else real_copy(base, rows, out, threads)
-
-    def aio_read_rows(fd, off, rows, out, depth):
-        hit = np.flatnonzero(np.isin(rows, list(bad)))
-        return (errno.EIO, int(hit[0])) if hit.size else real_aio(fd, off, rows, out, depth)
-
-    monkeypatch.setattr(rowio, "pread_rows", pread_rows)
-    monkeypatch.setattr(rowio, "copy_mapped", copy_mapped)
-    monkeypatch.setattr(rowio, "aio_read_rows", aio_read_rows)
-    reads_by_the_store(monkeypatch, lambda ids: bool(np.isin(ids, list(bad)).any()))  # the native step's misses
-    return bad
+    return rows_fail_with_eio(monkeypatch, set())
 
 
 def reference(rows: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
