@@ -14,14 +14,23 @@ the tables' bytes (X = 0: no cache, every row from the file): the disk tier as i
 table larger than RAM. Each pass sends new prompts (other places of the same text), so a
 cache hits on real reuse, not on a replay of the warm-up.
 
+`--alternate N` measures two placements (default disk against host) N times each, in
+turns (disk, host, disk, host, ...; one server at a time, started and stopped per run), and
+prints each pair's tokens/s ratio, the load average at each run and the median ratio: on a
+shared machine the load moves between runs, and turns spread it over both placements.
+Writes bench/out/serve-alternate.json and .png.
+
 Writes a table to stdout, bench/out/serve.json and bench/out/serve.png.
 
     python -m bench.serve [--placements device,host,disk,disk:dram=0,disk:dram=0.01,disk:dram=0.1] [--requests 32]
+    python -m bench.serve --alternate 3 [--placements disk,host] [--passes 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +74,7 @@ def totals(stats: dict) -> dict:
     steps = stats["steps"]
     return {"steps": steps, "tokens": stats["tokens"], "forward": stats["forward_seconds_per_step"] * steps,
             "engram": stats["engram_seconds_per_step"] * steps, "wait": stats["wait_seconds_per_step"] * steps,
-            "layer": stats["layer_seconds"]}
+            "layer": stats["layer_seconds"], "gather": sum(t["gather_seconds"] for t in stats.get("tables", []))}
 
 
 def run_placement(model_dir: Path, placement: str, passes: list[list[list[int]]], args) -> dict:
@@ -84,6 +93,7 @@ def run_placement(model_dir: Path, placement: str, passes: list[list[list[int]]]
     with server:
         with ThreadPoolExecutor(args.concurrency) as pool:  # warm-up: fewer tokens
             list(pool.map(lambda p: server.generate(p, 8), passes[0]))
+        load_before = os.getloadavg()[0]
         best = None
         for reqs in passes[1:]:  # the machine is shared: keep the least disturbed pass
             before = totals(server.engram_stats())
@@ -95,6 +105,7 @@ def run_placement(model_dir: Path, placement: str, passes: list[list[list[int]]]
             completions.append([o["output_ids"] for o in outs])
             if best is None or wall < best[0]:
                 best = (wall, outs, before, after)
+        load_after = os.getloadavg()[0]
         tables = server.engram_stats().get("tables", [])
     wall, outs, before, after = best
     dram = [t["dram_cache_hit_rate"] for t in tables if "dram_cache_hit_rate" in t]
@@ -114,6 +125,8 @@ def run_placement(model_dir: Path, placement: str, passes: list[list[list[int]]]
         "wait_ms_per_step": 1e3 * (after["wait"] - before["wait"]) / steps,
         "layer_ms": 1e3 * after["layer"],
         "dram_hit_rate": sum(dram) / len(dram) if dram else None,
+        "gather_ms_per_step": 1e3 * (after["gather"] - before["gather"]) / steps,  # the stores' reads + decode
+        "load": [load_before, load_after],  # 1-minute load average before and after the measured passes
         "completions": completions,
     }
 
@@ -143,6 +156,77 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def alternate(model_dir: Path, passes, args) -> int:
+    """Two placements in turns, `args.alternate` times each; each pair's ratio and the median."""
+    names = args.placements.split(",")
+    if len(names) != 2:
+        raise SystemExit(f"--alternate compares two placements, got {args.placements!r} (e.g. --placements disk,host)")
+    runs = []
+    for i in range(args.alternate):
+        for name in names:
+            r = run_placement(model_dir, name, passes, args)
+            r["pair"] = i
+            runs.append(r)
+            print(f"  pair {i + 1} {name}: {r['output_tokens_per_s']:.0f} tok/s, load {r['load'][0]:.2f} -> "
+                  f"{r['load'][1]:.2f}", flush=True)
+    pairs = []
+    for i in range(args.alternate):
+        a, b = runs[2 * i], runs[2 * i + 1]
+        pairs.append({"pair": i + 1, "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+                      "same_tokens": a["completions"] == b["completions"], "runs": [a, b]})
+    median = statistics.median(p["ratio"] for p in pairs)
+    print_table(
+        f"{names[0]} against {names[1]} in turns, {args.requests} requests x {args.new_tokens} tokens, "
+        f"{args.concurrency} at a time, fastest of {args.passes} passes per run",
+        ["pair", f"{names[0]} tok/s", f"{names[1]} tok/s", "ratio", "load (1 min) at each run",
+         f"{names[0]} Engram ms/step", f"{names[1]} Engram ms/step", f"{names[0]} gather ms/step",
+         f"{names[1]} gather ms/step", "step ms", "same tokens"],
+        [[p["pair"], p["runs"][0]["output_tokens_per_s"], p["runs"][1]["output_tokens_per_s"], p["ratio"],
+          " / ".join(f"{r['load'][0]:.2f}-{r['load'][1]:.2f}" for r in p["runs"]),
+          p["runs"][0]["engram_ms_per_step"], p["runs"][1]["engram_ms_per_step"], p["runs"][0]["gather_ms_per_step"],
+          p["runs"][1]["gather_ms_per_step"],
+          f"{p['runs'][0]['forward_ms_per_step']:.2f} / {p['runs'][1]['forward_ms_per_step']:.2f}", p["same_tokens"]]
+         for p in pairs],
+    )
+    print(f"\nmedian {names[0]}/{names[1]} tokens/s ratio over {len(pairs)} pairs: {median:.3f}")
+    for p in pairs:
+        for r in p["runs"]:
+            del r["completions"]
+    path = write_json("serve-alternate", {"args": vars(args), "cpus": os.cpu_count(), "median_ratio": median,
+                                          "pairs": pairs})
+    plot_alternate(pairs, median, names, OUT / "serve-alternate.png")
+    print(f"wrote {path} and {OUT / 'serve-alternate.png'}")
+    return 0 if all(p["same_tokens"] for p in pairs) else 1
+
+
+def plot_alternate(pairs: list[dict], median: float, names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [p["pair"] for p in pairs]
+    a.bar(x, [p["ratio"] for p in pairs], color="tab:blue")
+    a.axhline(median, color="k", lw=0.8, label=f"median {median:.3f}")
+    a.axhline(0.85, color="tab:red", lw=0.8, ls="--", label="goal 0.85")
+    a.set_xticks(x)
+    a.set_xlabel("pair")
+    a.set_title(f"{names[0]} / {names[1]} tokens/s")
+    a.legend(loc="lower right")
+    for k, name in enumerate(names):
+        b.plot(x, [p["runs"][k]["output_tokens_per_s"] for p in pairs], "o-", label=f"{name} tok/s")
+    b2 = b.twinx()
+    b2.plot(x, [max(max(r["load"]) for r in p["runs"]) for p in pairs], "k^", label="load")
+    b2.set_ylabel("load average (1 min)")
+    b.set_xticks(x)
+    b.set_xlabel("pair")
+    b.set_title("tokens/s per run and the load")
+    b.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--placements", default="device,host,disk")
@@ -152,13 +236,19 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=3, help="measured passes per placement; the fastest counts")
     p.add_argument("--disk-threads", type=int, default=0, help="disk placement: reads in flight (default: the store's)")
     p.add_argument("--workdir", default="build/bench", help="where the demo model is built once")
+    p.add_argument("--alternate", type=int, default=0,
+                   help="N: two placements (--placements, default disk,host) in turns N times each; each pair's ratio")
     args = p.parse_args(argv)
+    if args.alternate and args.placements == p.get_default("placements"):
+        args.placements = "disk,host"
 
     from transformers import AutoTokenizer
 
     model_dir, _ = demo_model(Path(args.workdir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     passes = [prompts(tokenizer, args.requests, salt) for salt in range(args.passes + 1)]
+    if args.alternate:
+        return alternate(model_dir, passes, args)
     results = [run_placement(model_dir, pl, passes, args) for pl in args.placements.split(",")]
     base = next((r for r in results if r["placement"] == "device"), results[0])
     for r in results:
