@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import OUT, print_table, write_json
-from engram_sglang.core.config import DEFAULT_TABLE_DIR
+from engram_sglang.core.config import DEFAULT_TABLE_DIR, EngramConfig
 from engram_sglang.serving.launch import Server
 from engram_sglang.tools.demo.run import demo_model
 
@@ -156,11 +156,58 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gather_profile(model_dir: Path, names: list[str], rounds: int = 5, calls: int = 1000) -> list[dict]:
+    """In-process, no server: one Engram layer's gather on demo-shaped calls (a decode step of
+    `--concurrency` streams x the demo's hash columns; a prefill of 8 x 48 tokens), each
+    placement's store on the demo's tables, rounds alternating; per call the median over
+    rounds of the process.s CPU time (every thread) and of wall time. Row ids uniform over the table."""
+    import numpy as np
+    import torch
+
+    from engram_sglang.core.stores import open_store
+
+    table_dir = model_dir / DEFAULT_TABLE_DIR
+    stores = {name: open_store(table_dir, name, "cpu") for name in names}
+    layer = min(stores[names[0]])
+    rows = stores[names[0]][layer].rows
+    columns = EngramConfig.from_pretrained(model_dir).hash_columns
+    rng = np.random.default_rng(0)
+    out = []
+    try:
+        for shape, label in (((8, columns), "decode step (8 streams)"), ((8 * 48, columns), "prefill (8 x 48 tokens)")):
+            n = calls if shape[0] < 64 else calls // 20
+            ids = [torch.from_numpy(rng.integers(0, rows, size=shape)) for _ in range(n)]
+            cpu = {name: [] for name in names}
+            wall = {name: [] for name in names}
+            for _ in range(rounds):
+                for name in names:
+                    store = stores[name][layer]
+                    store.gather(ids[0])
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    for x in ids:
+                        store.gather(x)
+                    cpu[name].append(1e6 * (time.process_time() - c0) / n)
+                    wall[name].append(1e6 * (time.perf_counter() - t0) / n)
+            for name in names:
+                out.append({"call": label, "ids": shape[0] * shape[1], "placement": name,
+                            "cpu_us": statistics.median(cpu[name]), "wall_us": statistics.median(wall[name]),
+                            "load": os.getloadavg()[0]})
+    finally:
+        for by_layer in stores.values():
+            for store in by_layer.values():
+                store.close()
+    print_table(f"one Engram layer's gather in-process ({names[0]} vs {names[1]}), median of {rounds} rounds",
+                ["call", "ids", "placement", "CPU us/call", "wall us/call", "load"],
+                [[r["call"], r["ids"], r["placement"], r["cpu_us"], r["wall_us"], f"{r['load']:.2f}"] for r in out])
+    return out
+
+
 def alternate(model_dir: Path, passes, args) -> int:
     """Two placements in turns, `args.alternate` times each; each pair's ratio and the median."""
     names = args.placements.split(",")
     if len(names) != 2:
         raise SystemExit(f"--alternate compares two placements, got {args.placements!r} (e.g. --placements disk,host)")
+    profile = gather_profile(model_dir, [n.partition(":")[0] for n in names])
     runs = []
     for i in range(args.alternate):
         for name in names:
@@ -193,7 +240,7 @@ def alternate(model_dir: Path, passes, args) -> int:
         for r in p["runs"]:
             del r["completions"]
     path = write_json("serve-alternate", {"args": vars(args), "cpus": os.cpu_count(), "median_ratio": median,
-                                          "pairs": pairs})
+                                          "gather_in_process": profile, "pairs": pairs})
     plot_alternate(pairs, median, names, OUT / "serve-alternate.png")
     print(f"wrote {path} and {OUT / 'serve-alternate.png'}")
     return 0 if all(p["same_tokens"] for p in pairs) else 1
