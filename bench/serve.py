@@ -222,17 +222,19 @@ def alternate(model_dir: Path, passes, args) -> int:
         pairs.append({"pair": i + 1, "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
                       "same_tokens": a["completions"] == b["completions"], "runs": [a, b]})
     median = statistics.median(p["ratio"] for p in pairs)
+
+    def both(p, key):
+        return " / ".join(f"{r[key]:.2f}" for r in p["runs"])
+
     print_table(
         f"{names[0]} against {names[1]} in turns, {args.requests} requests x {args.new_tokens} tokens, "
-        f"{args.concurrency} at a time, fastest of {args.passes} passes per run",
-        ["pair", f"{names[0]} tok/s", f"{names[1]} tok/s", "ratio", "load (1 min) at each run",
-         f"{names[0]} Engram ms/step", f"{names[1]} Engram ms/step", f"{names[0]} gather ms/step",
-         f"{names[1]} gather ms/step", "step ms", "same tokens"],
+        f"{args.concurrency} at a time, fastest of {args.passes} passes per run; per forward step, "
+        f"{names[0]} / {names[1]}",
+        ["pair", f"{names[0]} tok/s", f"{names[1]} tok/s", "ratio", "load (1 min) at each run", "step ms",
+         "Engram ms", "wait for rows ms", "gather ms", "same tokens"],
         [[p["pair"], p["runs"][0]["output_tokens_per_s"], p["runs"][1]["output_tokens_per_s"], p["ratio"],
-          " / ".join(f"{r['load'][0]:.2f}-{r['load'][1]:.2f}" for r in p["runs"]),
-          p["runs"][0]["engram_ms_per_step"], p["runs"][1]["engram_ms_per_step"], p["runs"][0]["gather_ms_per_step"],
-          p["runs"][1]["gather_ms_per_step"],
-          f"{p['runs'][0]['forward_ms_per_step']:.2f} / {p['runs'][1]['forward_ms_per_step']:.2f}", p["same_tokens"]]
+          " / ".join(f"{r['load'][0]:.2f}-{r['load'][1]:.2f}" for r in p["runs"]), both(p, "forward_ms_per_step"),
+          both(p, "engram_ms_per_step"), both(p, "wait_ms_per_step"), both(p, "gather_ms_per_step"), p["same_tokens"]]
          for p in pairs],
     )
     print(f"\nmedian {names[0]}/{names[1]} tokens/s ratio over {len(pairs)} pairs: {median:.3f}")
