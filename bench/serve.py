@@ -59,6 +59,9 @@ def engram_flags(placement: str, model_dir: Path, args) -> dict:
     engram = {"placement": name}
     if name == "disk" and args.disk_threads:
         engram["disk_threads"] = args.disk_threads
+    for item in filter(None, args.engram.split(",")):  # every server's extra --engram-* flags
+        key, _, value = item.partition("=")
+        engram[key.replace("-", "_")] = value
     if option:
         key, _, value = option.partition("=")
         if name != "disk" or key != "dram":
@@ -285,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=3, help="measured passes per placement; the fastest counts")
     p.add_argument("--disk-threads", type=int, default=0, help="disk placement: reads in flight (default: the store's)")
     p.add_argument("--workdir", default="build/bench", help="where the demo model is built once")
+    p.add_argument("--engram", default="", help="extra --engram-* flags of every server, e.g. prefetch=off")
     p.add_argument("--alternate", type=int, default=0,
                    help="N: two placements (--placements, default disk,host) in turns N times each; each pair's ratio")
     args = p.parse_args(argv)

@@ -34,7 +34,8 @@ def out(tmp_path, monkeypatch):
 
 
 def args(n=3):
-    return SimpleNamespace(alternate=n, placements="disk,host", requests=4, new_tokens=8, concurrency=2, passes=1)
+    return SimpleNamespace(alternate=n, placements="disk,host", requests=4, new_tokens=8, concurrency=2, passes=1,
+                           engram="")
 
 
 def test_turns_ratios_and_median(out, capsys, monkeypatch):
