@@ -205,8 +205,18 @@ void record_failure(std::atomic<int64_t>& first, int64_t index) {
     }
 }
 
+// Rows ahead whose lines the mapped copy prefetches: page-cached rows of a large table are
+// random 4 KiB pages, each a TLB and a cache miss; one at a time they cost ~0.25 us a row
+// here, with several in flight far less. A prefetch never faults (a page not in memory is
+// skipped), so the SIGBUS guard sees the same accesses as without it.
+constexpr int64_t kCopyAhead = 8;
+
 // Copies rows [lo, hi) of the request; returns the index of a faulting row, or -1.
 int64_t copy_guarded(const uint8_t* base, const int64_t* rows, int64_t lo, int64_t hi, uint8_t* out) {
+    for (int64_t k = lo; k < std::min(hi, lo + kCopyAhead); ++k) {  // before the guard: nothing longjmp clobbers
+        __builtin_prefetch(base + rows[k] * kRowBytes);
+        __builtin_prefetch(base + rows[k] * kRowBytes + kRowBytes - 1);
+    }
     sigjmp_buf guard;
     volatile int64_t i = lo;
     if (sigsetjmp(guard, 1) != 0) {
@@ -214,7 +224,14 @@ int64_t copy_guarded(const uint8_t* base, const int64_t* rows, int64_t lo, int64
         return i;
     }
     t_guard = &guard;
-    for (; i < hi; i = i + 1) memcpy(out + i * kRowBytes, base + rows[i] * kRowBytes, kRowBytes);
+    for (; i < hi; i = i + 1) {
+        if (i + kCopyAhead < hi) {
+            const uint8_t* ahead = base + rows[i + kCopyAhead] * kRowBytes;
+            for (int64_t off = 0; off < kRowBytes; off += 64) __builtin_prefetch(ahead + off);
+            __builtin_prefetch(ahead + kRowBytes - 1);
+        }
+        memcpy(out + i * kRowBytes, base + rows[i] * kRowBytes, kRowBytes);
+    }
     t_guard = nullptr;
     return -1;
 }

@@ -396,11 +396,18 @@ def test_sigbus_from_a_truncated_mapping_is_an_error_not_a_crash(tmp_path):
         print('failed', rowio.copy_mapped(base, rows, out, 4))
         ok = np.array([1, 2], dtype=np.int64)
         print('ok', rowio.copy_mapped(base, ok, out[:2], 4), bytes(out[0, :4]) == bytes(np.frombuffer(m, np.uint8)[264:268]))
+        # Past the copy's prefetch distance (kCopyAhead rows): a row ahead is prefetched, never
+        # touched, so the failure is the row itself and every row before it is copied whole.
+        rows = np.array([*range(12), 5000, *range(20, 27)], dtype=np.int64)
+        out = np.zeros((20, 264), dtype=np.uint8)
+        failed = rowio.copy_mapped(base, rows, out, 1)
+        mapped = np.frombuffer(m, np.uint8)[:10 * 4096 // 264 * 264].reshape(-1, 264)
+        print('ahead', failed, np.array_equal(out[:12], mapped[:12]))
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "failed 2" in proc.stdout and "ok -1 True" in proc.stdout
+    assert "failed 2" in proc.stdout and "ok -1 True" in proc.stdout and "ahead 12 True" in proc.stdout
 
 
 # ------------------------------------------------------------------ host memory
