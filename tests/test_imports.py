@@ -118,7 +118,7 @@ def test_metrics_register_once_when_a_store_opens():
         from engram_sglang.core.hashing import EngramLayout
         from engram_sglang.core.rowformat import ROW_BYTES
         from engram_sglang.core.stores import open_store
-        import tempfile
+        import atexit, shutil, tempfile
 
         def collectors(prefix):
             return sorted(n for n in REGISTRY._names_to_collectors if n.startswith(prefix))
@@ -128,7 +128,9 @@ def test_metrics_register_once_when_a_store_opens():
         layout = EngramLayout(cfg)
         rng = np.random.default_rng(0)
         rows = {L: rng.integers(0, 255, (layout.rows(L), ROW_BYTES), dtype=np.uint8) for L in cfg.layer_ids}
-        d = tablefile.write_tables(tempfile.mkdtemp() + "/t", cfg, rows, progress=False)
+        where = tempfile.mkdtemp()
+        atexit.register(shutil.rmtree, where, True)
+        d = tablefile.write_tables(where + "/t", cfg, rows, progress=False)
         first = open_store(d, "device", cfg=cfg)
         after_open = collectors("engram_")
         second = open_store(d, "host", cfg=cfg, cache_bytes=1 << 20)  # a second store and a hot-row cache

@@ -20,14 +20,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # child that hangs is killed after CHILD_TIMEOUT and reported, so the suite never hangs.
 # Both preludes below start with it: a table file of `rows` distinct rows (a byte pattern).
 TABLE_PRELUDE = """
-    import errno, os, resource, signal, sys, tempfile, time
+    import atexit, errno, os, resource, shutil, signal, sys, tempfile, time
     import numpy as np
     from engram_sglang.core.stores import rowio
     from engram_sglang.core.tablefile import DATA_OFFSET
     from engram_sglang.core.rowformat import ROW_BYTES
 
     def write_table(rows, modulus):
-        path = os.path.join(tempfile.mkdtemp(), "t.rows")
+        where = tempfile.mkdtemp()
+        atexit.register(shutil.rmtree, where, True)  # forked children leave by os._exit: not theirs
+        path = os.path.join(where, "t.rows")
         data = (np.arange(rows * ROW_BYTES, dtype=np.uint64) % modulus).astype(np.uint8).reshape(rows, ROW_BYTES)
         with open(path, "wb") as f:
             f.write(bytes(DATA_OFFSET))

@@ -364,7 +364,9 @@ def test_bad_table_dir_fails_start_up_with_one_line_and_leaves_nothing(tmp_path,
         expect = "layer-3.rows: truncated"
     else:
         expect = "table directory does not exist"
-    server = Server(demo_dir(), engram={"table_dir": tables}, log_path=tmp_path / "sglang.log", port=free_port())
+    # Run by hand (not Server.start, which stops the tree itself): its temp files go in tmp_path.
+    server = Server(demo_dir(), engram={"table_dir": tables}, log_path=tmp_path / "sglang.log", port=free_port(),
+                    env={"TMPDIR": str(tmp_path)})
     proc = subprocess.Popen(server.cmd, env=server.env, stdout=open(server.log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -386,10 +388,11 @@ def test_bad_table_dir_fails_start_up_with_one_line_and_leaves_nothing(tmp_path,
 
 
 def test_bad_flag_values_are_refused_before_anything_starts(tmp_path):
-    server = Server(demo_dir(), engram={"placement": "ssd"}, log_path=tmp_path / "sglang.log")
+    server = Server(demo_dir(), engram={"placement": "ssd"}, log_path=tmp_path / "sglang.log", env={"TMPDIR": str(tmp_path)})
     proc = subprocess.run(server.cmd, env=server.env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--engram-placement: invalid choice: 'ssd'" in proc.stderr
-    server = Server(demo_dir(), engram={"disk_threads": "0"}, log_path=tmp_path / "sglang.log")
+    server = Server(demo_dir(), engram={"disk_threads": "0"}, log_path=tmp_path / "sglang.log",
+                    env={"TMPDIR": str(tmp_path)})
     proc = subprocess.run(server.cmd, env=server.env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
