@@ -15,7 +15,8 @@ what the code does (serving/runtime.py, serving/identity.py, the PD state compon
   2 (n-1)/n of the rows per rank).
 * attention DP (one node, `tokens` per rank): whole rows from the node's copy (nothing
   crosses), or shards with the ranks' ids all-gathered and the rows reduce-scattered
-  (upstream's `_dp_sharded_lookup`): the shards save HBM (device placement), not DRAM.
+  (serving/row_exchange.py, as upstream's `_dp_sharded_lookup`): what the device and private
+  host placements do, and the disk tier (fewer reads on the slowest rank: bench/attn_dp_rows.py).
 
 `--measured FILE` adds the figures of a real PD run (the demo model on the CPU: the JSON
 tests/e2e write with SGLang's transfer metrics) beside the counts.
