@@ -22,7 +22,7 @@ from typing import Optional
 
 import pytest
 
-from engram_sglang.serving.launch import Server, _group_alive, free_port
+from engram_sglang.serving.launch import Server, _group_alive, _TreeRecord, free_port
 from tests.support.demo_support import demo_dir, reference, reference_completion, table_dir, trace_requests
 
 pytestmark = pytest.mark.slow
@@ -369,11 +369,14 @@ def test_bad_table_dir_fails_start_up_with_one_line_and_leaves_nothing(tmp_path,
                     env={"TMPDIR": str(tmp_path)})
     proc = subprocess.Popen(server.cmd, env=server.env, stdout=open(server.log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
+    tree = _TreeRecord(proc.pid).watch()  # what its processes hold in /dev/shm, removed after (as Server.stop does)
     try:
         rc = proc.wait(timeout=300)  # SGLang must exit by itself
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
+        tree.close()
+        tree.remove_leftovers()
     # Exit status 2 with the line last, not SGLang's traceback and SIGKILL of the tree (137).
     assert rc == 2, rc
     time.sleep(2)
