@@ -163,7 +163,7 @@ def gather_profile(model_dir: Path, names: list[str], rounds: int = 5, calls: in
     """In-process, no server: one Engram layer's gather on demo-shaped calls (a decode step of
     `--concurrency` streams x the demo's hash columns; a prefill of 8 x 48 tokens), each
     placement's store on the demo's tables, rounds alternating; per call the median over
-    rounds of the process.s CPU time (every thread) and of wall time. Row ids uniform over the table."""
+    rounds of the process's CPU time (every thread) and of wall time. Row ids uniform over the table."""
     import numpy as np
     import torch
 

@@ -72,7 +72,7 @@ def open_runtime(settings: ServeSettings, *, parallel, table_dir: Optional[Path]
     device = torch.device(device if device is not None else torch.get_default_device())
     try:
         how = attention_rows(settings, parallel) if attention_parallel else None
-        tp_rank, tp_size = rank_rows(settings, parallel) if how is not None else (parallel.tp_rank, parallel.tp_size)
+        tp_rank, tp_size = rank_rows(parallel, how)
         whole_rows = tp_size < parallel.tp_size  # the TP ranks hold different tokens: each reads whole rows
         context_parallel = how is not None and parallel.attn_cp_size > 1  # lookups of a slice of the prompt
         # Shards under attention DP/CP: "dp" exchanges every lookup's ids, "cp" a prompt slice's.
@@ -252,14 +252,14 @@ def attention_rows_line(settings, parallel, how: str) -> str:
     return line + (f"; not exchanged: {refused[0]}" if refused else "")
 
 
-def rank_rows(settings, parallel) -> tuple[int, int]:
-    """(tp_rank, tp_size) the runtime's stores shard rows over. Under attention data or
-    context parallelism (`attention_rows`) a placement that gives every rank whole rows opens
-    the tables whole (tp_size 1: no collective, whatever the other ranks hold); one that keeps
-    shards keeps SGLang's TP ranks, and its ranks exchange ids (serving/row_exchange.py)."""
+def rank_rows(parallel, how: Optional[str]) -> tuple[int, int]:
+    """(tp_rank, tp_size) the runtime's stores shard rows over, given `how` the placement
+    serves attention data or context parallelism (`attention_rows`; None: plain TP). One that
+    gives every rank whole rows opens the tables whole (tp_size 1: no collective, whatever the
+    other ranks hold); one that keeps shards keeps SGLang's TP ranks, and its ranks exchange
+    ids (serving/row_exchange.py)."""
     from ..core.placement_table import EXCHANGE
 
-    how = attention_rows(settings, parallel)
     if how is None or how == EXCHANGE:
         return parallel.tp_rank, parallel.tp_size
     return 0, 1

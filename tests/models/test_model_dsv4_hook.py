@@ -525,7 +525,7 @@ def test_dsv4_attn_dp_serves_every_placement(table, tmp_path, caplog, placement,
         if how == "exchange":
             # SGLang's TP rank and size: a shard per rank (opening one needs the TP group's ranks:
             # tests/models/test_dsv4_attn_dp_exchange.py opens them and exchanges ids for real).
-            assert startup.rank_rows(settings, par) == (1, 2)
+            assert startup.rank_rows(par, startup.attention_rows(settings, par)) == (1, 2)
             return
         with caplog.at_level(logging.INFO, logger="engram_sglang.serving.startup"):
             runtime = process_runtime(settings=settings, device="cpu", parallel=par)

@@ -118,6 +118,8 @@ def test_runtime_fails_only_the_requests_that_needed_the_rows(tables, rng, broke
         col = hash_ids[:, 1]
         # A row only request 7's tokens read.
         mine = set(col[5:12].reshape(-1).tolist()) - set(col[:5].reshape(-1).tolist()) - set(col[12:].reshape(-1).tolist())
+        # `broken` breaks a row id in every layer's file: no other layer may read it.
+        mine -= set(hash_ids[:, [i for i in range(hash_ids.shape[1]) if i != 1]].reshape(-1).tolist())
         broken.add(min(mine))
         step = runtime.begin(hash_ids, token_req, torch.arange(16), torch.cat(parts), "extend")
         runtime.rows(step, CFG.layer_ids[0])
